@@ -1,0 +1,319 @@
+"""`generate`: MTP self-speculative decoding as one jitted `lax.while_loop` over fixed shapes.
+
+Sequence bookkeeping for a row (n = `position`, the slot of the pending token):
+  trunk cache valid for slots < n; the pending token x_n is generated but not yet run through the trunk;
+  the MTP cache is valid for slots < `mtp_start`; the "MTP block" holds the trunk hiddens h[mtp_start + j]
+  with their next tokens x[mtp_start + j + 1] for j < `mtp_count`, where mtp_start + mtp_count = n.
+
+One round (k = num_draft):
+  1. MTP over the block (k+1 slots): extends the MTP cache over the tokens accepted last round, and its last
+     valid slot (position n - 1: h[n-1] with x_n) gives draft d_1.
+  2. k - 1 more single-token MTP steps, each feeding back its own hidden, give d_2..d_k.
+  3. The trunk verifies [x_n, d_1..d_k] at positions n..n+k in one pass.
+  4. Accept a drafts plus one token from the target; clip at EOS and at max_new_tokens.
+  5. The verify hiddens and accepted tokens become the next MTP block; n advances by a + 1.
+k = 0 skips 1-2 and is plain decoding through the same code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from mtp_jax.cache import KVCache
+from mtp_jax.config import DecodeConfig
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
+
+
+@struct.dataclass
+class DecodeStats:
+    """Counters summed over rows. A row-round is one verify pass of a row that was not done."""
+
+    rounds: jax.Array  # [] loop iterations
+    row_rounds: jax.Array  # [] active row-rounds
+    emitted: (
+        jax.Array
+    )  # [] tokens the verify passes produced (a + 1 per row-round, before EOS/budget clipping)
+    drafted: jax.Array  # [] drafts proposed to active rows
+    accepted: jax.Array  # [] drafts accepted
+    reached: jax.Array  # [k] row-rounds in which draft i was judged (all earlier drafts accepted)
+    accepted_at: jax.Array  # [k] row-rounds in which draft i was accepted
+
+
+@struct.dataclass
+class GenerateOutput:
+    tokens: jax.Array  # [B, max_new_tokens] generated ids; 0 past each row's length
+    lengths: jax.Array  # [B] number of generated tokens
+    finished_by_eos: jax.Array  # [B] bool
+    stats: DecodeStats
+
+
+@struct.dataclass
+class LoopState:
+    tokens: jax.Array  # [B, max_new_tokens + k + 1] output buffer
+    num_generated: jax.Array  # [B] tokens in `tokens` (the pending token included)
+    done: jax.Array  # [B] bool
+    finished_by_eos: jax.Array  # [B] bool
+    position: jax.Array  # [B] slot of the pending token
+    pending: jax.Array  # [B] last generated token, not yet in the trunk cache
+    cache: KVCache  # trunk, [L, B, S, K, H]
+    mtp_cache: KVCache | None  # [1, B, S, K, H]
+    mtp_hidden: jax.Array | None  # [B, k+1, D]
+    mtp_tokens: jax.Array | None  # [B, k+1]
+    mtp_start: jax.Array | None  # [B]
+    mtp_count: jax.Array | None  # [B]
+    row_keys: jax.Array  # [B] one random stream per row
+    stats: DecodeStats
+
+
+def _row_keys(row_keys: jax.Array, round_index: jax.Array, purpose: int) -> jax.Array:
+    """A fresh key per row for this round and purpose: [B] keys."""
+    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, round_index), purpose))(row_keys)
+
+
+def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B, T, ...], index [B] -> x[b, index[b]] : [B, ...]."""
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
+class _Round:
+    """The pieces of one round, closed over the model and static settings."""
+
+    def __init__(self, model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array):
+        self.model, self.cfg, self.sampling, self.eos = model, cfg, sampling, eos
+        self.k = cfg.num_draft
+
+    def choose(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """Pick ids [B, ...] from float32 logits [B, ..., V]; also return the distribution when sampling."""
+        if self.sampling is None:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        probs = probabilities(logits, self.sampling)
+        return jax.vmap(sample)(keys, probs), probs
+
+    def draft(self, s: LoopState) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        """k drafts [B, k] (and their draft-vocabulary probabilities [B, k, V] when sampling)."""
+        model, k = self.model, self.k
+        slots = jnp.arange(k + 1)
+        hidden, normed, mtp_cache = model.mtp_step(
+            s.mtp_hidden, s.mtp_tokens, s.mtp_start[:, None] + slots, s.mtp_cache
+        )
+        last = s.mtp_count - 1
+        hidden, normed = _gather_rows(hidden, last), _gather_rows(normed, last)  # [B, D]
+        position = s.position  # the next draft step's slot (the first sat at position - 1)
+        drafts, dists = [], []
+        for i in range(k):
+            keys = _row_keys(s.row_keys, s.stats.rounds, 10 + i)
+            index, probs = self.choose(model.draft_logits(normed), keys)
+            token = model.draft_ids(index)
+            drafts.append(token)
+            if probs is not None:
+                dists.append(self.scatter_draft_probs(probs))
+            if i + 1 < k:
+                hidden, normed, mtp_cache = model.mtp_step(
+                    hidden[:, None], token[:, None], (position + i)[:, None], mtp_cache
+                )
+                hidden, normed = hidden[:, 0], normed[:, 0]
+        draft_probs = jnp.stack(dists, axis=1) if dists else None
+        return jnp.stack(drafts, axis=1), draft_probs, mtp_cache
+
+    def scatter_draft_probs(self, probs: jax.Array) -> jax.Array:
+        """Draft-vocabulary probabilities [B, Vd] -> full-vocabulary [B, V] (zero outside the subset)."""
+        if self.model.draft_vocab is None:
+            return probs
+        full = jnp.zeros((probs.shape[0], self.model.config.vocab_size), probs.dtype)
+        return full.at[:, self.model.draft_vocab[...]].set(probs)
+
+    def verify(self, s, drafts, draft_probs, cache):
+        """Trunk over [pending, drafts]: (accepted count [B], next token [B], hiddens [B, k+1, D], cache)."""
+        inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, k+1]
+        positions = s.position[:, None] + jnp.arange(self.k + 1)
+        hidden, cache = self.model.trunk(inputs, positions, cache)
+        logits = self.model.logits(hidden)  # [B, k+1, V]
+        if self.sampling is None:
+            accepted, token = greedy_accept(drafts, logits)
+        else:
+            target_probs = probabilities(logits, self.sampling)
+            keys = _row_keys(s.row_keys, s.stats.rounds, 1)
+            if self.k == 0:
+                accepted, token = jnp.zeros_like(s.pending), jax.vmap(sample)(keys, target_probs[:, 0])
+            else:
+                accepted, token = jax.vmap(rejection_accept)(keys, drafts, draft_probs, target_probs)
+        return accepted, token, hidden, cache
+
+    def __call__(self, s: LoopState) -> LoopState:
+        k, cfg = self.k, self.cfg
+        active = ~s.done
+        if k > 0:
+            drafts, draft_probs, mtp_cache = self.draft(s)
+        else:
+            drafts, draft_probs, mtp_cache = jnp.zeros((s.pending.shape[0], 0), jnp.int32), None, None
+        accepted, token, hidden, cache = self.verify(s, drafts, draft_probs, s.cache)
+
+        # Tokens this round emits: d_1..d_a then the target's token; clipped at EOS and at the budget.
+        slot = jnp.arange(k + 1)
+        padded = jnp.concatenate([drafts, jnp.zeros((drafts.shape[0], 1), jnp.int32)], axis=1)  # [B, k+1]
+        emitted = jnp.where(slot < accepted[:, None], padded, token[:, None])  # valid for slot <= a
+        is_eos = jnp.isin(emitted, self.eos) & (slot <= accepted[:, None])
+        hit_eos = jnp.any(is_eos, axis=1)
+        eos_index = jnp.argmax(is_eos, axis=1)
+        count = jnp.where(hit_eos, eos_index + 1, accepted + 1)
+        count = jnp.where(active, jnp.minimum(count, cfg.max_new_tokens - s.num_generated), 0)
+        write_at = jnp.where(slot < count[:, None], s.num_generated[:, None] + slot, s.tokens.shape[1])
+        tokens = s.tokens.at[jnp.arange(emitted.shape[0])[:, None], write_at].set(emitted, mode="drop")
+        num_generated = s.num_generated + count
+        eos_now = active & hit_eos & (eos_index < count)
+        done = s.done | eos_now | (num_generated >= cfg.max_new_tokens)
+
+        a_active = jnp.where(active, accepted, 0)
+        depth = jnp.arange(k)
+        stats = DecodeStats(
+            rounds=s.stats.rounds + 1,
+            row_rounds=s.stats.row_rounds + jnp.sum(active),
+            emitted=s.stats.emitted + jnp.sum(jnp.where(active, accepted + 1, 0)),
+            drafted=s.stats.drafted + k * jnp.sum(active),
+            accepted=s.stats.accepted + jnp.sum(a_active),
+            reached=s.stats.reached + jnp.sum(active[:, None] & (accepted[:, None] >= depth), axis=0),
+            accepted_at=s.stats.accepted_at + jnp.sum(active[:, None] & (accepted[:, None] > depth), axis=0),
+        )
+        keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+        state = s.replace(
+            tokens=tokens,
+            num_generated=num_generated,
+            done=done,
+            finished_by_eos=s.finished_by_eos | eos_now,
+            position=keep(s.position + accepted + 1, s.position),
+            pending=keep(token, s.pending),
+            cache=cache,
+            stats=stats,
+        )
+        if k > 0:
+            state = state.replace(
+                mtp_cache=mtp_cache,
+                mtp_hidden=keep(hidden, s.mtp_hidden),
+                mtp_tokens=keep(emitted, s.mtp_tokens),
+                mtp_start=keep(s.position, s.mtp_start),
+                mtp_count=keep(accepted + 1, s.mtp_count),
+            )
+        return state
+
+
+def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots) -> LoopState:
+    """Trunk (and MTP) over the padded prompts; the first token from each row's last prompt position."""
+    batch, prompt_width = prompt_ids.shape
+    k = cfg.num_draft
+    positions = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
+    cache = KVCache.zeros(model.config.num_layers, batch, slots, model.config, model.dtype)
+    hidden, cache = model.trunk(prompt_ids, positions, cache)  # [B, P, D]
+    last = prompt_lens - 1
+    last_hidden = _gather_rows(hidden, last)  # [B, D]
+    logits = model.logits(last_hidden)
+    if sampling is None:
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        keys = _row_keys(row_keys, jnp.int32(-1), 0)
+        first = jax.vmap(sample)(keys, probabilities(logits[:, None], sampling)[:, 0])
+    tokens = jnp.zeros((batch, cfg.max_new_tokens + k + 1), jnp.int32).at[:, 0].set(first)
+    hit_eos = jnp.isin(first, eos)
+    stats = DecodeStats(
+        rounds=jnp.int32(0),
+        row_rounds=jnp.int32(0),
+        emitted=jnp.int32(0),
+        drafted=jnp.int32(0),
+        accepted=jnp.int32(0),
+        reached=jnp.zeros((k,), jnp.int32),
+        accepted_at=jnp.zeros((k,), jnp.int32),
+    )
+    state = LoopState(
+        tokens=tokens,
+        num_generated=jnp.ones((batch,), jnp.int32),
+        done=hit_eos | (cfg.max_new_tokens <= 1),
+        finished_by_eos=hit_eos,
+        position=prompt_lens,
+        pending=first,
+        cache=cache,
+        mtp_cache=None,
+        mtp_hidden=None,
+        mtp_tokens=None,
+        mtp_start=None,
+        mtp_count=None,
+        row_keys=row_keys,
+        stats=stats,
+    )
+    if k == 0:
+        return state
+    # MTP over the prompt: slot p pairs h[p] with x[p+1]; the last prompt slot pairs with the first token.
+    next_tokens = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
+    next_tokens = jnp.where(jnp.arange(prompt_width) == last[:, None], first[:, None], next_tokens)
+    mtp_cache = KVCache.zeros(1, batch, slots, model.config, model.dtype)
+    _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
+    block_hidden = jnp.zeros((batch, k + 1, hidden.shape[-1]), hidden.dtype).at[:, 0].set(last_hidden)
+    return state.replace(
+        mtp_cache=mtp_cache,
+        mtp_hidden=block_hidden,
+        mtp_tokens=jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(first),
+        mtp_start=last,
+        mtp_count=jnp.ones((batch,), jnp.int32),
+    )
+
+
+def cache_slots(prompt_width: int, cfg: DecodeConfig) -> int:
+    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16."""
+    needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
+    return -(-needed // 16) * 16
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"))
+def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):
+    model: CausalLM = nnx.merge(graphdef, params)
+    batch, prompt_width = prompt_ids.shape
+    eos = jnp.asarray(model.config.eos_token_ids if cfg.stop_on_eos else (), jnp.int32).reshape(-1)
+    sampling = None if greedy else sampling
+    row_keys = jax.random.split(key, batch)
+    state = _prefill(
+        model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, cache_slots(prompt_width, cfg)
+    )
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), _Round(model, cfg, sampling, eos), state)
+    valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
+    return GenerateOutput(
+        tokens=jnp.where(valid, state.tokens[:, : cfg.max_new_tokens], 0),
+        lengths=state.num_generated,
+        finished_by_eos=state.finished_by_eos,
+        stats=state.stats,
+    )
+
+
+def generate(
+    model: CausalLM,
+    prompt_ids: jax.Array,
+    prompt_lens: jax.Array,
+    key: jax.Array,
+    cfg: DecodeConfig | None = None,
+    sampling: SamplingParams | None = None,
+) -> GenerateOutput:
+    """Decode a batch of right-padded prompts.
+
+    prompt_ids [B, P] int32 (row b's prompt in its first prompt_lens[b] entries), prompt_lens [B] (>= 1).
+    `sampling` gives per-row temperature / top-k / top-p; without it every row uses `cfg`'s values.
+    A pure function of arrays and static configs: callable under `jax.jit`, with sharded params.
+    """
+    cfg = cfg or DecodeConfig()
+    if cfg.num_draft > 0 and not model.config.has_mtp:
+        raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
+    greedy = sampling is None and cfg.temperature == 0
+    if sampling is None:
+        sampling = SamplingParams.from_config(cfg, prompt_ids.shape[0])
+    graphdef, params = nnx.split(model)
+    return _generate(
+        graphdef,
+        params,
+        jnp.asarray(prompt_ids, jnp.int32),
+        jnp.asarray(prompt_lens, jnp.int32),
+        key,
+        sampling,
+        cfg=cfg,
+        greedy=greedy,
+    )
