@@ -29,10 +29,10 @@ from checkpoints_convert.key_table import (
     mtp_prefix,
 )
 from checkpoints_convert.source import CheckpointSource
+from mtp_jax.checkpoint import CONFIG_FILE
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
 
-CONFIG_FILE = "mtp_jax_config.json"
 PARAMS_DIR = "params"
 REPORT_FILE = "conversion.json"
 
@@ -70,9 +70,7 @@ class Plan:
     ignored: dict[str, str]
 
 
-def plan_conversion(
-    cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStruct], names: list[str]
-) -> Plan:
+def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStruct], names: list[str]) -> Plan:
     expected = {name: t for name, t in _candidates(cfg) if t.path in params}
     present = set(names)
     missing = [n for n in expected if n not in present]
@@ -134,9 +132,7 @@ def convert_params(
             want = target.transform.hf_shape(slot_shape)
             got = tuple(source.shape(name))
             if got != want:
-                raise ConversionError(
-                    f"shape mismatch for {name}: checkpoint has {got}, model expects {want}"
-                )
+                raise ConversionError(f"shape mismatch for {name}: checkpoint has {got}, model expects {want}")
             value = target.transform(np.asarray(source.read(name)), slot_shape).astype(np_dtype)
             if target.index is None:
                 array[...] = value
@@ -159,9 +155,7 @@ def nest(flat: dict[ParamPath, object]) -> dict:
     return tree
 
 
-def write_converted(
-    dst: str, cfg: ModelConfig, params: dict, tokenizer, report: dict, overwrite: bool
-) -> None:
+def write_converted(dst: str, cfg: ModelConfig, params: dict, tokenizer, report: dict, overwrite: bool) -> None:
     """Write config, orbax params and tokenizer into a temp folder beside `dst`, then rename it into place."""
     import orbax.checkpoint as ocp
 

@@ -72,9 +72,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         raise ConversionError(f"unknown model_type {family!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     unknown = sorted(set(hf) - HARMLESS_KEYS - HANDLED_KEYS)
     if unknown:
-        raise ConversionError(
-            f"{family} config has fields this converter does not handle: {', '.join(unknown)}"
-        )
+        raise ConversionError(f"{family} config has fields this converter does not handle: {', '.join(unknown)}")
     if hf.get("quantization_config"):
         raise ConversionError(f"quantized checkpoints ({hf['quantization_config']}) are not supported")
     if hf.get("hidden_act", "silu") != "silu":

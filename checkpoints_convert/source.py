@@ -95,9 +95,7 @@ class SafetensorsFolderSource(CheckpointSource):
             for fname in shards:
                 for name in self._open(fname).names():
                     if name in self._where:
-                        raise ConversionError(
-                            f"tensor {name} appears in both {self._where[name]} and {fname}"
-                        )
+                        raise ConversionError(f"tensor {name} appears in both {self._where[name]} and {fname}")
                     self._where[name] = fname
 
     def _open(self, fname: str) -> SafetensorsFile:

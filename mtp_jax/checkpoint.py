@@ -8,15 +8,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from checkpoints_convert.convert import (
-    CONFIG_FILE,
-    PARAMS_DIR,
-    abstract_params,
-    config_of,
-    convert_params,
-    nest,
-)
-from checkpoints_convert.source import open_source
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
 
@@ -24,6 +15,9 @@ from mtp_jax.models.causal_lm import CausalLM
 def default_dtype():
     """float32 on CPU (XLA's CPU bf16 matmuls are slow), bfloat16 on accelerators."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+CONFIG_FILE = "mtp_jax_config.json"  # marks a converted folder (checkpoints_convert writes it)
 
 
 def is_converted(path: str) -> bool:
@@ -39,6 +33,8 @@ def assemble(cfg: ModelConfig, params: dict, dtype) -> CausalLM:
 
 def _restore_converted(path: str, dtype) -> CausalLM:
     import orbax.checkpoint as ocp
+
+    from checkpoints_convert.convert import PARAMS_DIR, abstract_params, nest
 
     with open(os.path.join(path, CONFIG_FILE)) as f:
         cfg = ModelConfig.from_json(f.read())
@@ -64,6 +60,9 @@ def load(path: str | None = None, *, dtype=None, mesh=None):
         if any(f.startswith("tokenizer") for f in os.listdir(path)):
             tokenizer = AutoTokenizer.from_pretrained(path)
         return _restore_converted(path, dtype), tokenizer
+    from checkpoints_convert.convert import config_of, convert_params, nest
+    from checkpoints_convert.source import open_source
+
     source = open_source(path)
     cfg = config_of(source)
     flat, _ = convert_params(source, cfg, dtype, place=lambda _, a: jnp.asarray(a))

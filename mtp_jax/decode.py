@@ -1,0 +1,172 @@
+"""python -m mtp_jax.decode: batch generation from prompts to JSONL, with MTP drafting when the model has a head."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from mtp_jax.errors import UserError
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mtp_jax.decode", description=__doc__)
+    parser.add_argument("--model", help="Hugging Face folder, converted folder or .gguf (default: SmolLM2-135M)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    source.add_argument("--prompts-file", help=".txt (a prompt a line) or .jsonl (prompt or token_ids a line)")
+    parser.add_argument("--out", help="output JSONL (default: stdout)")
+    parser.add_argument("--num-draft", type=non_negative_int, help="drafts per round (default 3 with a head)")
+    parser.add_argument("--no-mtp", action="store_true", help="plain decoding through the same loop (k = 0)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=non_negative_int, default=0)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"))
+    parser.add_argument("--mesh", help="data=D,model=M (not supported yet)")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--stats-json", help="write decode statistics here")
+    return parser
+
+
+def choose_num_draft(args, has_mtp: bool) -> int:
+    if args.no_mtp:
+        return 0
+    if args.num_draft is not None:
+        if args.num_draft > 0 and not has_mtp:
+            raise UserError("this model has no MTP head: use --no-mtp (or --num-draft 0)")
+        return args.num_draft
+    if not has_mtp:
+        print("note: this model has no MTP head; decoding without drafts (k = 0)", file=sys.stderr)
+        return 0
+    return 3
+
+
+def write_atomically(path: str, text: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=folder)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def run(args) -> int:
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.mesh:
+        raise UserError("--mesh is not supported yet: sharded decoding has not landed")
+    if args.model is not None and not os.path.exists(args.model):
+        raise UserError(f"{args.model}: no such model file or folder")
+    items = read_items(args)
+
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from mtp_jax import checkpoint, stats
+    from mtp_jax.config import DecodeConfig
+    from mtp_jax.prompts import bucket, encode_prompts, pad_batch
+    from mtp_jax.speculative import compile_generate
+
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
+    cfg = model.config
+    num_draft = choose_num_draft(args, cfg.has_mtp)
+    prompts = encode_prompts(
+        items, tokenizer, chat=not args.no_chat, vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings
+    )
+    decode_cfg = DecodeConfig(
+        num_draft=num_draft,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
+    batch_size = min(args.batch_size, len(prompts))
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    base_key = jax.random.key(args.seed)
+    compiled, compile_seconds, wall, counters = {}, 0.0, 0.0, None
+    records = []
+    for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2, file=sys.stderr):
+        width = bucket(max(len(p.token_ids) for p in batch))
+        ids, lens = pad_batch(batch, batch_size, width)
+        rows = [p.index for p in batch] + [batch[0].index] * (batch_size - len(batch))
+        keys = jax.vmap(lambda i: jax.random.fold_in(base_key, i))(np.asarray(rows))  # one stream per prompt
+        if width not in compiled:
+            start = time.perf_counter()
+            compiled[width] = compile_generate(model, ids, lens, keys, decode_cfg)
+            compile_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled[width](model, ids, lens, keys, decode_cfg))
+        wall += time.perf_counter() - start
+        counters = stats.add(counters, out.stats)
+        tokens, lengths, by_eos = (np.asarray(x) for x in (out.tokens, out.lengths, out.finished_by_eos))
+        for row, prompt in enumerate(batch):
+            generated = tokens[row, : lengths[row]].tolist()
+            records.append(
+                {
+                    "index": prompt.index,
+                    "prompt": prompt.text if prompt.text is not None else list(prompt.token_ids),
+                    "text": tokenizer.decode(generated, skip_special_tokens=True) if tokenizer else "",
+                    "token_ids": generated,
+                    "num_tokens": len(generated),
+                    "finish_reason": "eos" if by_eos[row] else "length",
+                }
+            )
+    generated_tokens = sum(r["num_tokens"] for r in records)
+    summary = stats.summarize(
+        counters, num_draft=num_draft, generated_tokens=generated_tokens, wall=wall, compile_seconds=compile_seconds
+    )
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if args.out:
+        write_atomically(args.out, lines)
+    else:
+        sys.stdout.write(lines)
+    if args.stats_json:
+        write_atomically(args.stats_json, json.dumps(summary, indent=2) + "\n")
+    print(stats.summary_paragraph(summary, len(records)), file=sys.stderr)
+    return 0
+
+
+def read_items(args) -> list:
+    from mtp_jax.prompts import read_prompt_file
+
+    if args.prompts_file:
+        return read_prompt_file(args.prompts_file)
+    return list(args.prompt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from checkpoints_convert.errors import ConversionError
+
+    try:
+        return run(args)
+    except (UserError, ConversionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

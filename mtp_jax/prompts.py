@@ -1,0 +1,96 @@
+"""Prompts from the command line or a file, tokenized (chat template when the tokenizer has one), batched."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from mtp_jax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    index: int
+    text: str | None  # None for raw token ids
+    token_ids: tuple[int, ...]
+
+
+def read_prompt_file(path: str) -> list[str | list[int]]:
+    """A .txt file (one prompt a line) or .jsonl ({"prompt": ...} or {"token_ids": [...]} a line)."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such prompts file")
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f]
+    items: list[str | list[int]] = []
+    if path.endswith(".jsonl"):
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{number}: invalid JSON ({e.msg})") from None
+            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                items.append(record["prompt"])
+            elif isinstance(record, dict) and isinstance(record.get("token_ids"), list):
+                ids = record["token_ids"]
+                if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise UserError(f"{path}:{number}: token_ids must be a non-empty list of integers")
+                items.append(ids)
+            else:
+                raise UserError(f'{path}:{number}: expected {{"prompt": "..."}} or {{"token_ids": [...]}}')
+    else:
+        items = [line for line in lines if line.strip()]
+    if not items:
+        raise UserError(f"{path}: no prompts in file")
+    return items
+
+
+def encode_prompts(items, tokenizer, *, chat: bool, vocab_size: int, context: int) -> list[Prompt]:
+    """Token ids for each prompt; raw token ids are used exactly as given."""
+    prompts = []
+    for index, item in enumerate(items):
+        if isinstance(item, list):
+            ids = [int(t) for t in item]
+            text = None
+        else:
+            if tokenizer is None:
+                raise UserError("this model has no tokenizer: give prompts as token_ids in a .jsonl file")
+            text = item
+            if chat and getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": item}], add_generation_prompt=True, tokenize=True
+                )
+                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            else:
+                ids = tokenizer(item)["input_ids"]
+        if not ids:
+            raise UserError(f"prompt {index} is empty")
+        if max(ids) >= vocab_size or min(ids) < 0:
+            raise UserError(f"prompt {index} has token ids outside the vocabulary [0, {vocab_size})")
+        if len(ids) >= context:
+            raise UserError(f"prompt {index} has {len(ids)} tokens; the model's context is {context}")
+        prompts.append(Prompt(index, text, tuple(ids)))
+    return prompts
+
+
+def bucket(length: int, minimum: int = 16) -> int:
+    """Padded width for a prompt length: powers of two from `minimum`, so few shapes get compiled."""
+    width = minimum
+    while width < length:
+        width *= 2
+    return width
+
+
+def pad_batch(prompts: list[Prompt], batch_size: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded ids [batch_size, width] and lengths [batch_size]; missing rows repeat the first prompt."""
+    rows = list(prompts) + [prompts[0]] * (batch_size - len(prompts))
+    ids = np.zeros((batch_size, width), np.int32)
+    lens = np.zeros((batch_size,), np.int32)
+    for row, prompt in enumerate(rows):
+        ids[row, : len(prompt.token_ids)] = prompt.token_ids
+        lens[row] = len(prompt.token_ids)
+    return ids, lens
