@@ -48,7 +48,7 @@ def abstract_params(cfg: ModelConfig, dtype) -> dict[ParamPath, jax.ShapeDtypeSt
     }
 
 
-def _candidates(cfg: ModelConfig) -> Iterator[tuple[str, Target]]:
+def candidate_targets(cfg: ModelConfig) -> Iterator[tuple[str, Target]]:
     for name, (path, transform) in TRUNK_ROOT.items():
         yield name, Target(path, None, transform)
     for i in range(cfg.num_layers):
@@ -71,7 +71,7 @@ class Plan:
 
 
 def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStruct], names: list[str]) -> Plan:
-    expected = {name: t for name, t in _candidates(cfg) if t.path in params}
+    expected = {name: t for name, t in candidate_targets(cfg) if t.path in params}
     present = set(names)
     missing = [n for n in expected if n not in present]
     if missing:

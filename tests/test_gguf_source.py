@@ -13,7 +13,6 @@ import pytest
 from checkpoints_convert.errors import ConversionError
 from checkpoints_convert.gguf_source import GGUFSource
 from checkpoints_convert.source import open_source
-from mtp_jax.errors import UserError
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 32, 4, 2, 64, 16
@@ -238,27 +237,8 @@ def test_not_a_gguf(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_path() -> str:
-    from mtp_jax.default_model import default_gguf_path
-
-    try:
-        return default_gguf_path()
-    except UserError as e:
-        pytest.skip(f"default model unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
 def smollm2(smollm2_path) -> GGUFSource:
     return GGUFSource(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(smollm2_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
 
 
 @pytest.mark.slow

@@ -1,0 +1,133 @@
+"""`python -m mtp_jax.decode` on a tiny checkpoint: output format, stats, MTP == plain, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from flax import nnx
+
+import mtp_jax
+from checkpoints_convert.export import save_hf_folder
+from mtp_jax.config import ModelConfig, MtpConfig
+from mtp_jax.decode import main as decode_main
+
+STATS_FIELDS = {
+    "num_draft",
+    "rounds",
+    "generated_tokens",
+    "mean_accepted_length",
+    "acceptance_rate",
+    "acceptance_per_position",
+    "tokens_per_second",
+    "wall_seconds",
+    "compile_seconds",
+    "device",
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny HF folder with a DeepSeek-style MTP head, and one without a head."""
+    root = tmp_path_factory.mktemp("ckpt")
+    cfg = ModelConfig(
+        family="qwen2",
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qkv_bias=True,
+        max_position_embeddings=64,
+        eos_token_ids=(2,),
+        mtp=MtpConfig(),
+    )
+    save_hf_folder(mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(3)), root / "with_head")
+    save_hf_folder(mtp_jax.CausalLM(cfg.replace(mtp=None), rngs=nnx.Rngs(3)), root / "no_head")
+    prompts = root / "prompts.jsonl"
+    rows = [[5, 6, 7, 8, 9], [11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26], [30, 31]]
+    prompts.write_text("".join(json.dumps({"token_ids": r}) + "\n" for r in rows))
+    return root
+
+
+def decode(capsys, *args) -> tuple[int, str, str]:
+    code = decode_main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_jsonl_output_stats_and_mtp_equals_plain(checkpoints, capsys, tmp_path):
+    common = ["--model", checkpoints / "with_head", "--prompts-file", checkpoints / "prompts.jsonl"]
+    common += ["--max-new-tokens", 12, "--batch-size", 2, "--dtype", "float32"]
+    code, _, err = decode(capsys, *common, "--out", tmp_path / "mtp.jsonl", "--stats-json", tmp_path / "s.json")
+    assert code == 0, err
+    assert "mean accepted length" in err
+    code, _, err = decode(capsys, *common, "--no-mtp", "--out", tmp_path / "plain.jsonl")
+    assert code == 0, err
+    mtp_rows = [json.loads(line) for line in (tmp_path / "mtp.jsonl").read_text().splitlines()]
+    plain_rows = [json.loads(line) for line in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in mtp_rows] == [0, 1, 2, 3, 4]
+    for mtp_row, plain_row in zip(mtp_rows, plain_rows, strict=True):
+        assert set(mtp_row) == {"index", "prompt", "text", "token_ids", "num_tokens", "finish_reason"}
+        assert mtp_row["token_ids"] == plain_row["token_ids"]
+        assert mtp_row["num_tokens"] == len(mtp_row["token_ids"])
+        if mtp_row["finish_reason"] == "eos":
+            assert mtp_row["token_ids"][-1] == 2
+        else:
+            assert mtp_row["num_tokens"] == 12 and 2 not in mtp_row["token_ids"]
+    assert mtp_rows[1]["prompt"] == [11]
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert set(stats) == STATS_FIELDS
+    assert stats["num_draft"] == 3 and len(stats["acceptance_per_position"]) == 3
+    assert stats["generated_tokens"] == sum(r["num_tokens"] for r in mtp_rows)
+    assert 1.0 <= stats["mean_accepted_length"] <= 4.0
+
+
+def test_model_without_head_decodes_plainly_with_a_note(checkpoints, capsys):
+    code, out, err = decode(
+        capsys, "--model", checkpoints / "no_head", "--prompts-file", checkpoints / "prompts.jsonl",
+        "--max-new-tokens", 4, "--dtype", "float32",
+    )  # fmt: skip
+    assert code == 0 and "no MTP head" in err
+    assert len(out.splitlines()) == 5
+    code, _, err = decode(
+        capsys, "--model", checkpoints / "no_head", "--prompts-file", checkpoints / "prompts.jsonl",
+        "--num-draft", 2,
+    )  # fmt: skip
+    assert code == 1 and "no MTP head" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "message"),
+    [
+        ("", [], "no prompts"),
+        ('{"text": "x"}\n', [], "expected"),
+        ("{not json\n", [], "invalid JSON"),
+        ('{"token_ids": [1, 99]}\n', [], "outside the vocabulary"),
+        ('{"token_ids": ' + json.dumps(list(range(3, 40)) * 2) + "}\n", [], "context is 64"),
+        ('{"token_ids": [5]}\n', ["--temperature", "-1"], "--temperature"),
+        ('{"token_ids": [5]}\n', ["--top-p", "0"], "--top-p"),
+        ('{"token_ids": [5]}\n', ["--mesh", "data=2"], "--mesh"),
+    ],
+)
+def test_bad_input_is_one_line(checkpoints, capsys, tmp_path, content, extra, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    out_path = tmp_path / "out.jsonl"
+    code, out, err = decode(
+        capsys, "--model", checkpoints / "with_head", "--prompts-file", path, "--out", out_path, *extra
+    )
+    assert code == 1
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert out == "" and not out_path.exists()
+
+
+def test_missing_model_and_bad_option_values(checkpoints, capsys, tmp_path):
+    code, _, err = decode(capsys, "--model", tmp_path / "nope", "--prompt", "hi")
+    assert code == 1 and "no such model" in err
+    with pytest.raises(SystemExit) as exit_info:
+        decode_main(["--model", str(checkpoints / "with_head"), "--prompt", "hi", "--max-new-tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "--max-new-tokens" in capsys.readouterr().err
