@@ -133,7 +133,11 @@ def run(args) -> int:
         ids, lens = pad_batch(batch, len(batch), bucket(max(len(p.token_ids) for p in batch)))
         predictions, trunk = teacher_forced_predictions(model, ids, args.num_draft)
         counts = acceptance_counts(predictions, trunk, lens)
-        totals = counts if totals is None else {k: [a + b for a, b in zip(totals[k], counts[k])] for k in totals}
+        totals = (
+            counts
+            if totals is None
+            else {k: [a + b for a, b in zip(totals[k], counts[k], strict=True)] for k in totals}
+        )
         draft_argmax += [predictions[row, : max(lens[row] - 1, 0), 0].tolist() for row in range(len(batch))]
     result = {"num_draft": args.num_draft, "sequences": len(prompts), **summarize(totals)}
     result["draft_argmax"] = draft_argmax
