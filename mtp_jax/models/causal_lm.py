@@ -16,7 +16,7 @@ from mtp_jax.models.layers import DecoderLayer, RMSNorm, _init, rope_inverse_fre
 
 
 class LayerStack(nnx.Module):
-    """`num_layers` decoder layers with stacked parameters (leading axis L), applied by `nnx.scan`."""
+    """`num_layers` decoder layers with stacked parameters (leading axis L), applied by `lax.scan`."""
 
     def __init__(self, cfg: ModelConfig, num_layers: int, *, dtype, rngs: nnx.Rngs | None):
         if rngs is None:
@@ -35,17 +35,17 @@ class LayerStack(nnx.Module):
     def __call__(self, x, positions, rope, cache: KVCache) -> tuple[jax.Array, KVCache]:
         graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
 
-        def run(carry, layer_params):
-            x, k_all, v_all, index = carry
-            layer = nnx.merge(graphdef, layer_params)
-            layer_k = jax.lax.dynamic_index_in_dim(k_all, index, keepdims=False)  # [B, S, K, H]
-            layer_v = jax.lax.dynamic_index_in_dim(v_all, index, keepdims=False)
-            x, layer_k, layer_v = layer(x, positions, rope, layer_k, layer_v)
-            k_all = jax.lax.dynamic_update_index_in_dim(k_all, layer_k, index, 0)
-            v_all = jax.lax.dynamic_update_index_in_dim(v_all, layer_v, index, 0)
-            return (x, k_all, v_all, index + 1), None
+        rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
 
-        (x, k_all, v_all, _), _ = jax.lax.scan(run, (x, cache.k, cache.v, 0), stacked)
+        def run(x, layer_inputs):
+            layer_params, past_k, past_v = layer_inputs  # past_k, past_v: [B, S, K, H]
+            x, k, v = nnx.merge(graphdef, layer_params)(x, positions, rope, past_k, past_v)
+            # This block's entries at (row, position); the rest of the layer's cache is unchanged.
+            past_k = past_k.at[rows, positions].set(k.astype(past_k.dtype), mode="drop")
+            past_v = past_v.at[rows, positions].set(v.astype(past_v.dtype), mode="drop")
+            return x, (past_k, past_v)
+
+        x, (k_all, v_all) = jax.lax.scan(run, x, (stacked, cache.k, cache.v))
         return x, KVCache(k=k_all, v=v_all)
 
 

@@ -90,11 +90,12 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,  # [B, T, D]
-        positions: jax.Array,  # [B, T] absolute position of each query token
+        positions: jax.Array,  # [B, T] absolute positions, contiguous per row
         rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, H]
-        cache_k: jax.Array,  # [B, S, K, H] this layer's keys
-        cache_v: jax.Array,  # [B, S, K, H]
+        past_k: jax.Array,  # [B, S, K, H] this layer's cache; slots >= positions[:, 0] are ignored
+        past_v: jax.Array,  # [B, S, K, H]
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
         k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...])
         v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
@@ -104,23 +105,25 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
-        # Write this step's keys/values at each row's own positions, then attend over the whole cache.
-        rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
-        cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
-
+        # Attend to the cache before this block (rollback is by length: later slots are stale) and, causally,
+        # to the block itself; one softmax over both.
         b, t, n, h = q.shape
-        q = q.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h)  # [B, T, K, G, H]
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, cache_k.astype(q.dtype), preferred_element_type=jnp.float32)
-        key_positions = jnp.arange(cache_k.shape[1])  # [S]
-        visible = key_positions[None, None, :] <= positions[:, :, None]  # [B, T, S]; rollback is by length
-        scores = jnp.where(visible[:, None, None], scores * self.scale, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, cache_v.astype(q.dtype)).reshape(b, t, n, h)
-        out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
+        q = q.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h) * self.scale  # [B, T, K, G, H]
+        f32 = jnp.float32
+        past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k.astype(q.dtype), preferred_element_type=f32)
+        past_visible = jnp.arange(past_k.shape[1])[None, :] < positions[:, :1]  # [B, S]
+        past_scores = jnp.where(past_visible[:, None, None, None, :], past_scores, -jnp.inf)
+        block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
+        causal = jnp.tril(jnp.ones((t, t), bool))  # [T, U]
+        block_scores = jnp.where(causal, block_scores, -jnp.inf)
+        probs = jax.nn.softmax(jnp.concatenate([past_scores, block_scores], axis=-1), axis=-1).astype(q.dtype)
+        past_probs, block_probs = probs[..., : past_k.shape[1]], probs[..., past_k.shape[1] :]
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs, past_v.astype(q.dtype))
+        out = out + jnp.einsum("BKGTU,BUKH->BTKGH", block_probs, v)
+        out = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), self.o_proj[...])
         if self.o_bias is not None:
             out = out + self.o_bias[...]
-        return out, cache_k, cache_v
+        return out, k, v
 
 
 class SwiGLU(nnx.Module):
@@ -155,10 +158,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = SwiGLU(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope, cache_k, cache_v):
+    def __call__(self, x, positions, rope, past_k, past_v):
+        """x [B, T, D] -> (x, new keys [B, T, K, H], new values [B, T, K, H])."""
         with jax.named_scope("attention"):
-            attn_out, cache_k, cache_v = self.attn(self.input_norm(x), positions, rope, cache_k, cache_v)
+            attn_out, k, v = self.attn(self.input_norm(x), positions, rope, past_k, past_v)
         x = x + attn_out
         with jax.named_scope("mlp"):
             x = x + self.mlp(self.post_attention_norm(x))
-        return x, cache_k, cache_v
+        return x, k, v
