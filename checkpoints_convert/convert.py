@@ -71,6 +71,7 @@ class Plan:
 
 
 def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStruct], names: list[str]) -> Plan:
+    """Match checkpoint names to the parameter slots of `params` (which may be a subtree of the model's)."""
     expected = {name: t for name, t in candidate_targets(cfg) if t.path in params}
     present = set(names)
     missing = [n for n in expected if n not in present]
@@ -110,13 +111,16 @@ def convert_params(
     dtype,
     place: Callable[[ParamPath, np.ndarray], jax.Array] | None = None,
     on_tensor: Callable[[str], None] | None = None,
+    only_mtp: bool = False,
 ) -> tuple[dict[ParamPath, object], Plan]:
     """Fill every parameter from `source`, one parameter at a time (its stacked slots read tensor by tensor).
 
     `place(path, array)` puts a finished host array where it belongs (a device, a sharding); by default it stays
-    a NumPy array. Returns the flat parameters and the plan (for the accounting report).
+    a NumPy array. `only_mtp` fills just the MTP head (a head file). Returns the flat parameters and the plan.
     """
     params = abstract_params(cfg, dtype)
+    if only_mtp:
+        params = {path: spec for path, spec in params.items() if path[0] == "mtp"}
     plan = plan_conversion(cfg, params, source.tensor_names())
     by_path: dict[ParamPath, list[tuple[str, Target]]] = {}
     for name, target in plan.targets.items():

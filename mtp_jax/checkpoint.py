@@ -44,8 +44,20 @@ def _restore_converted(path: str, dtype) -> CausalLM:
     return assemble(cfg, params, dtype)
 
 
-def load(path: str | None = None, *, dtype=None, mesh=None):
-    """(model, tokenizer or None) for `path`; None means the default model."""
+def load(path: str | None = None, *, dtype=None, mesh=None, head: str | None = None):
+    """(model, tokenizer or None) for `path`; None means the default model.
+
+    `head`: a head folder written by `python -m mtp_jax.train_head`; by default the shipped head of the default
+    model, or an `mtp_head/` folder inside the model folder, is attached when present.
+    """
+    from mtp_jax.heads import attach_head, head_for
+
+    model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh)
+    head = head or head_for(path)
+    return (attach_head(model, head) if head else model), tokenizer
+
+
+def _load_trunk(path, *, dtype, mesh):
     if mesh is not None:
         raise NotImplementedError("loading onto a mesh is not supported yet; load without `mesh`")
     dtype = jnp.dtype(dtype or default_dtype())
@@ -69,6 +81,6 @@ def load(path: str | None = None, *, dtype=None, mesh=None):
     return assemble(cfg, nest(flat), dtype), source.load_tokenizer()
 
 
-def load_model(path: str | None = None, *, dtype=None, mesh=None) -> CausalLM:
+def load_model(path: str | None = None, *, dtype=None, mesh=None, head: str | None = None) -> CausalLM:
     """The model at `path` (converted folder, Hugging Face folder or .gguf); None means the default model."""
-    return load(path, dtype=dtype, mesh=mesh)[0]
+    return load(path, dtype=dtype, mesh=mesh, head=head)[0]

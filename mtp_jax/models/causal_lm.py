@@ -35,17 +35,16 @@ class LayerStack(nnx.Module):
     def __call__(self, x, positions, rope, cache: KVCache) -> tuple[jax.Array, KVCache]:
         graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
 
-        rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
-
         def run(x, layer_inputs):
-            layer_params, past_k, past_v = layer_inputs  # past_k, past_v: [B, S, K, H]
+            layer_params, past_k, past_v = layer_inputs  # past_k, past_v: [B, S, K, H], read only
             x, k, v = nnx.merge(graphdef, layer_params)(x, positions, rope, past_k, past_v)
-            # This block's entries at (row, position); the rest of the layer's cache is unchanged.
-            past_k = past_k.at[rows, positions].set(k.astype(past_k.dtype), mode="drop")
-            past_v = past_v.at[rows, positions].set(v.astype(past_v.dtype), mode="drop")
-            return x, (past_k, past_v)
+            return x, (k, v)
 
-        x, (k_all, v_all) = jax.lax.scan(run, x, (stacked, cache.k, cache.v))
+        x, (new_k, new_v) = jax.lax.scan(run, x, (stacked, cache.k, cache.v))  # new_k: [L, B, T, K, H]
+        # One scatter per cache after the stack: slot (row, position) of every layer gets this block's entry.
+        rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
+        k_all = cache.k.at[:, rows, positions].set(new_k.astype(cache.k.dtype), mode="drop")
+        v_all = cache.v.at[:, rows, positions].set(new_v.astype(cache.v.dtype), mode="drop")
         return x, KVCache(k=k_all, v=v_all)
 
 

@@ -1,0 +1,83 @@
+"""python -m mtp_jax.distill: self-distilled training data — the trunk's own greedy responses to offline prompts.
+
+Output JSONL, a line per prompt: {"token_ids": prompt + response, "prompt_len", "category", "prompt"}.
+Reproducible: the prompts come from `mtp_jax.data.prompt_builder` (seeded), decoding is greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from mtp_jax.config import DecodeConfig
+from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
+from mtp_jax.speculative import generate
+
+
+def distill(model, tokenizer, prompts: list[dict], *, max_new_tokens: int, batch_size: int) -> list[dict]:
+    """Greedy responses (k = 0) to chat-templated prompts, as full token sequences."""
+    encoded = encode_prompts(
+        [p["prompt"] for p in prompts], tokenizer, chat=True, vocab_size=model.config.vocab_size,
+        context=model.config.max_position_embeddings,
+    )  # fmt: skip
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].token_ids))  # similar lengths batch together
+    cfg = DecodeConfig(num_draft=0, max_new_tokens=max_new_tokens)
+    records: list[dict | None] = [None] * len(encoded)
+    for start in tqdm(range(0, len(order), batch_size), desc="distilling", unit="batch", file=sys.stderr):
+        batch: list[Prompt] = [encoded[i] for i in order[start : start + batch_size]]
+        ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch), minimum=32))
+        out = generate(model, ids, lens, jax.random.key(0), cfg)
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        for row, prompt in enumerate(batch):
+            response = tokens[row, : lengths[row]].tolist()
+            records[prompt.index] = {
+                "token_ids": list(prompt.token_ids) + response,
+                "prompt_len": len(prompt.token_ids),
+                "category": prompts[prompt.index].get("category", ""),
+                "prompt": prompts[prompt.index]["prompt"],
+            }
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mtp_jax import checkpoint
+    from mtp_jax.data.prompt_builder import build_prompts
+    from mtp_jax.decode import write_atomically
+    from mtp_jax.errors import UserError
+
+    parser = argparse.ArgumentParser(prog="python -m mtp_jax.distill", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model path (default: the default model)")
+    parser.add_argument("--out", required=True, help="output JSONL")
+    parser.add_argument("--num-prompts", type=int, default=1200)
+    parser.add_argument("--split", choices=("train", "eval"), default="train")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"))
+    args = parser.parse_args(argv)
+    try:
+        if args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
+            raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")
+        model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
+        if tokenizer is None:
+            raise UserError("the model has no tokenizer to apply the chat template with")
+        prompts = build_prompts(args.num_prompts, args.split, args.seed)
+        start = time.perf_counter()
+        records = distill(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    write_atomically(args.out, "".join(json.dumps(r) + "\n" for r in records))
+    tokens = sum(len(r["token_ids"]) - r["prompt_len"] for r in records)
+    print(f"{len(records)} sequences, {tokens} response tokens in {time.perf_counter() - start:.0f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

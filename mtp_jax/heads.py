@@ -1,0 +1,112 @@
+"""MTP heads trained by this project: saved beside a trunk in the DeepSeek-style key layout, attached on load.
+
+A head folder holds `head.safetensors` (`model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.norm}` + one decoder
+layer under `model.layers.{N}.`, plus `mtp.draft_vocab` when drafts use a vocabulary subset) and `head.json`
+(the head's `MtpConfig` and the trunk it was trained for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp_jax.config import ModelConfig, MtpConfig
+from mtp_jax.errors import UserError
+from mtp_jax.models.causal_lm import CausalLM
+
+HEAD_FILE = "head.safetensors"
+HEAD_CONFIG = "head.json"
+DRAFT_VOCAB_KEY = "mtp.draft_vocab"
+HEAD_FOLDER_NAME = "mtp_head"  # a head inside a model folder is picked up by `load_model`
+DEFAULT_HEAD = os.path.join(os.path.dirname(__file__), "shipped_heads", "smollm2-135m-instruct")
+
+
+def head_for(path: str | None) -> str | None:
+    """The head `load_model` attaches by default: the shipped one for the default model, else `mtp_head/`
+    inside the model folder (or beside a .gguf as `<file>.mtp_head/`) when present."""
+    if path is None:
+        candidate = DEFAULT_HEAD
+    elif os.path.isdir(path):
+        candidate = os.path.join(path, HEAD_FOLDER_NAME)
+    else:
+        candidate = path + "." + HEAD_FOLDER_NAME
+    return candidate if os.path.isfile(os.path.join(candidate, HEAD_CONFIG)) else None
+
+
+def trunk_fingerprint(cfg: ModelConfig) -> dict:
+    return {
+        "family": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+    }
+
+
+def save_head(model: CausalLM, folder: str) -> None:
+    """Write the model's MTP head (bf16 for floating tensors) into `folder`."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from checkpoints_convert.export import hf_tensors
+
+    tensors = {name: value.astype(ml_dtypes.bfloat16) for name, value in hf_tensors(model, only_mtp=True).items()}
+    if model.draft_vocab is not None:
+        tensors[DRAFT_VOCAB_KEY] = np.asarray(model.draft_vocab[...], np.int32)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, HEAD_FILE))
+    with open(os.path.join(folder, HEAD_CONFIG), "w") as f:
+        json.dump({"mtp": dataclasses.asdict(model.config.mtp), "trunk": trunk_fingerprint(model.config)}, f, indent=2)
+
+
+def attach_head(model: CausalLM, folder: str) -> CausalLM:
+    """A new model: `model`'s trunk with the head saved in `folder` (replacing any head it had)."""
+    from checkpoints_convert.convert import abstract_params, convert_params, nest
+    from checkpoints_convert.errors import ConversionError
+    from checkpoints_convert.source import SafetensorsFile
+    from mtp_jax.checkpoint import assemble
+
+    try:
+        with open(os.path.join(folder, HEAD_CONFIG)) as f:
+            meta = json.load(f)
+        head = SafetensorsFile(os.path.join(folder, HEAD_FILE))
+    except (OSError, json.JSONDecodeError, ConversionError) as e:
+        raise UserError(f"{folder}: not a readable MTP head ({e})") from None
+    if meta["trunk"] != trunk_fingerprint(model.config):
+        raise UserError(
+            f"{folder}: head was trained for {meta['trunk']}, not this model {trunk_fingerprint(model.config)}"
+        )
+    cfg = model.config.replace(mtp=MtpConfig(**meta["mtp"]))
+    dtype = model.dtype
+    source = _HeadSource(head, cfg)
+    head_params, _ = convert_params(source, cfg, dtype, place=lambda _, a: jnp.asarray(a), only_mtp=True)
+    trunk = {tuple(str(p) for p in path): v[...] for path, v in nnx.to_flat_state(nnx.state(model))}
+    flat = {}
+    for path in abstract_params(cfg, dtype):
+        if path[0] == "mtp":
+            flat[path] = head_params[path]
+        elif path == ("draft_vocab",):
+            flat[path] = jnp.asarray(head.read(DRAFT_VOCAB_KEY))
+        else:
+            flat[path] = trunk[path]
+    return assemble(cfg, nest(flat), dtype)
+
+
+class _HeadSource:
+    """The head file seen as a checkpoint source holding only MTP tensors."""
+
+    def __init__(self, head, cfg: ModelConfig):
+        self._head, self.cfg = head, cfg
+
+    def tensor_names(self) -> list[str]:
+        return [n for n in self._head.names() if n != DRAFT_VOCAB_KEY]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._head.shape(name)
+
+    def read(self, name: str) -> np.ndarray:
+        return self._head.read(name)
