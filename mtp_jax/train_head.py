@@ -1,0 +1,173 @@
+"""python -m mtp_jax.train_head: train or finetune an MTP head on a frozen trunk (optax, orbax checkpoints).
+
+--data is JSONL of token sequences ({"token_ids": [...], "prompt_len": n}, as `python -m mtp_jax.distill` writes)
+or of prompts ({"prompt": ...}: the trunk answers them first, greedily, to make self-distilled sequences).
+Writes a head folder (DeepSeek-style keys, bf16) that `load_model(..., head=FOLDER)` attaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from mtp_jax.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mtp_jax.train_head", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="trunk (default: the default model)")
+    parser.add_argument("--data", required=True, help="training JSONL (token sequences or prompts)")
+    parser.add_argument("--eval-data", help="held-out JSONL for teacher-forced acceptance")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", required=True, help="head folder to write")
+    parser.add_argument("--checkpoint-dir", help="orbax checkpoints (default: OUT/checkpoints)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--init", choices=("trunk-last", "existing", "random"), default="trunk-last")
+    parser.add_argument("--num-mtp-steps", type=int, default=3, help="K recursive steps in the objective")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="draft over the N most frequent tokens (0: all)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=320)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"))
+    return parser
+
+
+def training_model(trunk, args, records):
+    """The model to train: the trunk plus a head (the existing one, or new with a DeepSeek-style layout)."""
+    from mtp_jax.config import MtpConfig
+    from mtp_jax.models.causal_lm import CausalLM
+    from mtp_jax.training import frequent_tokens, init_head_from_trunk
+
+    if args.init == "existing":
+        if not trunk.config.has_mtp:
+            raise UserError("--init existing: this model has no MTP head to finetune")
+        base = trunk.config.mtp
+    else:
+        base = MtpConfig(layout="deepseek")
+    vocab = trunk.config.vocab_size
+    draft_size = min(args.draft_vocab, vocab) if args.draft_vocab else 0
+    cfg = trunk.config.replace(mtp=MtpConfig(layout=base.layout, recurse_normed=base.recurse_normed,
+                                             draft_vocab_size=draft_size))  # fmt: skip
+    model = CausalLM(cfg, dtype=trunk.dtype, rngs=nnx.Rngs(args.seed))
+    keep = nnx.state(trunk, nnx.PathContains("mtp")) if args.init == "existing" else None
+    nnx.update(model, nnx.state(trunk, nnx.Not(nnx.PathContains("mtp"))))
+    if keep is not None:
+        nnx.update(model, keep)
+    elif args.init == "trunk-last":
+        init_head_from_trunk(model, jax.random.key(args.seed))
+    if draft_size:
+        model.draft_vocab[...] = frequent_tokens(records, vocab, draft_size)
+    return model
+
+
+def load_sequences(path: str, model, tokenizer) -> list[dict]:
+    from mtp_jax.distill import distill
+    from mtp_jax.training import read_records
+
+    try:
+        records = read_records(path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read JSONL ({e})") from None
+    if not records:
+        raise UserError(f"{path}: no records")
+    if all("token_ids" in r for r in records):
+        return records
+    if not all(isinstance(r.get("prompt"), str) for r in records):
+        raise UserError(f'{path}: every line needs "token_ids" or "prompt"')
+    if tokenizer is None:
+        raise UserError("prompts given but the model has no tokenizer: give token_ids")
+    print(f"self-distilling {len(records)} prompts with the trunk (greedy)", file=sys.stderr)
+    return distill(model, tokenizer, records, max_new_tokens=256, batch_size=16)
+
+
+def evaluate(model, data, num_steps: int) -> dict:
+    """Teacher-forced acceptance per depth on held-out sequences (the metric `python -m mtp_jax.score` prints)."""
+    from mtp_jax.score import acceptance_counts, summarize, teacher_forced_predictions
+
+    totals = None
+    for start in range(0, len(data), 8):
+        tokens, lengths = data.tokens[start : start + 8], data.lengths[start : start + 8]
+        predictions, trunk = teacher_forced_predictions(model, tokens, num_steps)
+        counts = acceptance_counts(predictions, trunk, lengths)
+        totals = counts if totals is None else {k: [a + b for a, b in zip(totals[k], counts[k], strict=True)]
+                                                for k in totals}  # fmt: skip
+    return summarize(totals)
+
+
+def run(args) -> int:
+    from mtp_jax import checkpoint
+    from mtp_jax.heads import save_head
+    from mtp_jax.training import SequenceData, TrainConfig, Trainer
+
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 4 or args.num_mtp_steps < 1:
+        raise UserError("--steps, --batch-size, --num-mtp-steps must be >= 1 and --seq-len >= 4")
+    trunk, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
+    records = load_sequences(args.data, trunk, tokenizer)
+    model = training_model(trunk, args, records)
+    del trunk
+    with tqdm(total=len(records), desc="trunk hiddens", unit="seq", file=sys.stderr) as bar:
+        data = SequenceData(model, records, args.seq_len, progress=bar.update)
+    eval_data = None
+    if args.eval_data:
+        eval_data = SequenceData(model, load_sequences(args.eval_data, model, tokenizer), args.seq_len)
+    cfg = TrainConfig(
+        num_steps=args.num_mtp_steps, train_steps=args.steps, batch_size=args.batch_size,
+        learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed,
+    )  # fmt: skip
+    trainer = Trainer(model, cfg)
+    checkpoints = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
+    if args.resume and trainer.restore(checkpoints):
+        print(f"resumed from step {trainer.step}", file=sys.stderr)
+    log = []
+    start = time.perf_counter()
+    bar = tqdm(total=args.steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr)
+    while trainer.step < args.steps:
+        metrics = trainer.train_step(data.batch(trainer.step, args.batch_size, args.seed))
+        bar.update(1)
+        if trainer.step % args.eval_every == 0 or trainer.step == args.steps:
+            entry = {"step": trainer.step, "loss": float(metrics["loss"]),
+                     "accuracy_per_step": np.asarray(metrics["acc"]).round(4).tolist()}  # fmt: skip
+            if eval_data is not None:
+                entry["eval"] = evaluate(trainer.model(), eval_data, args.num_mtp_steps)
+            log.append(entry)
+            bar.write(json.dumps(entry), file=sys.stderr)
+            trainer.save(checkpoints)
+    bar.close()
+    save_head(trainer.model(), args.out)
+    report = {
+        "train_seconds": time.perf_counter() - start,
+        "sequences": len(data),
+        "response_tokens": int(np.sum(data.lengths - data.loss_start)),
+        "args": vars(args),
+        "log": log,
+    }
+    with open(os.path.join(args.out, "training_report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote head to {args.out} after {trainer.step} steps", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from checkpoints_convert.errors import ConversionError
+
+    try:
+        return run(args)
+    except (UserError, ConversionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

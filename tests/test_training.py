@@ -1,0 +1,153 @@
+"""MTP-head training: loss weights, target alignment of the recursion, learning, resume, one compile."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mtp_jax
+from mtp_jax.cache import KVCache
+from mtp_jax.score import acceptance_counts, teacher_forced_predictions
+from mtp_jax.training import (
+    Batch,
+    SequenceData,
+    TrainConfig,
+    Trainer,
+    frequent_tokens,
+    loss_weights,
+    step_logits,
+    step_losses,
+)
+from tests.tiny_models import predictable_model, tiny_config
+
+
+def test_loss_weights_match_the_formula():
+    np.testing.assert_allclose(loss_weights(3), [1 / 1.96, 0.6 / 1.96, 0.36 / 1.96], rtol=1e-6)
+    np.testing.assert_allclose(loss_weights(3), [0.51, 0.31, 0.18], atol=0.005)
+    assert loss_weights(1).tolist() == [1.0]
+
+
+def wire_head(model, select: str):
+    """Make the MTP block an identity (no attention, no MLP) and its fusion pass one input through: the token
+    embedding ("token") or the hidden ("hidden"). Then every slot's output depends on its own inputs only."""
+    d = model.config.hidden_size
+    eye, zero = jnp.eye(d), jnp.zeros((d, d))
+    model.mtp.proj[...] = jnp.concatenate([eye, zero] if select == "token" else [zero, eye], axis=0)
+    block = model.mtp.block.layers
+    block.attn.o_proj[...] = jnp.zeros_like(block.attn.o_proj[...])
+    block.mlp.down_proj[...] = jnp.zeros_like(block.mlp.down_proj[...])
+    return model
+
+
+def trunk_hidden_and_argmax(model, tokens):
+    cache = KVCache.zeros(model.config.num_layers, tokens.shape[0], 1, model.config, model.dtype)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    hidden, _ = model.trunk(tokens, positions, cache)
+    return hidden, np.asarray(jnp.argmax(model.logits(hidden), -1))
+
+
+def test_recursion_shifts_the_hidden_by_one_slot_per_step():
+    """With the fusion passing the hidden straight through, step k at slot s reproduces the trunk's prediction
+    from slot s-k+1 (the chain that started k-1 slots earlier). An off-by-one in the shift breaks this."""
+    model = wire_head(predictable_model("deepseek", seed=2), "hidden")
+    tokens = jnp.asarray([[5, 9, 13, 7, 8, 20, 4, 11, 6, 17]])
+    hidden, trunk_argmax = trunk_hidden_and_argmax(model, tokens)
+    for k, logits in enumerate(step_logits(model, tokens, hidden, 3)):
+        predicted = np.asarray(jnp.argmax(logits, -1))[0]
+        np.testing.assert_array_equal(predicted[k:], trunk_argmax[0, : 10 - k])
+
+
+def test_targets_are_two_tokens_ahead_and_counts_by_hand():
+    """With the fusion passing the token x[s+1] through, every step predicts bigram(x[s+1]); on a sequence that
+    follows the bigram map, every counted target x[s+2] is right. Counts: s >= step, s+2 < length,
+    s+2 >= loss_start."""
+    model = wire_head(predictable_model("deepseek", seed=2), "token")
+    vocab = model.config.vocab_size
+    embeds = model.embed_tokens(jnp.arange(vocab)[:, None])  # [V, 1, D]
+    normed = model.mtp.final_norm(model.mtp.token_norm(embeds))
+    bigram = np.asarray(jnp.argmax(model.logits(normed), -1))[:, 0]  # [V]: what the wired head predicts
+    sequence = [11]
+    for _ in range(11):
+        sequence.append(int(bigram[sequence[-1]]))
+    tokens = jnp.asarray([sequence])
+    hidden, _ = trunk_hidden_and_argmax(model, tokens)
+    batch = Batch(tokens=tokens, hidden=hidden, lengths=jnp.asarray([12]), loss_start=jnp.asarray([3]))
+    _, accuracy, counts = step_losses(model, batch, 3, jnp.arange(vocab))
+    np.testing.assert_array_equal(np.asarray(accuracy), [1.0, 1.0, 1.0])
+    # s + 2 in [3, 12) and s >= step: step 0 -> s in [1, 9] (9), step 1 -> [1, 9] (9), step 2 -> [2, 9] (8)
+    np.testing.assert_array_equal(np.asarray(counts), [9, 9, 8])
+    # Tokens one and two slots apart differ, so a target one slot early or late (x[s+1], x[s+3]) would be wrong.
+    assert all(a not in (b, c) for a, b, c in zip(sequence[2:], sequence[1:], sequence[3:], strict=False))
+
+
+def self_distilled_data(model, count=24, new_tokens=40, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(4, model.config.vocab_size, size=(count, 3))
+    cfg = mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=new_tokens, stop_on_eos=False)
+    out = mtp_jax.generate(model, prompts, np.full(count, 3), jax.random.key(0), cfg)
+    tokens = np.asarray(out.tokens)
+    return [{"token_ids": p.tolist() + t.tolist(), "prompt_len": 3} for p, t in zip(prompts, tokens, strict=True)]
+
+
+def teacher_forced_depth_acceptance(model, data, depth=2):
+    predictions, trunk = teacher_forced_predictions(model, data.tokens, depth)
+    counts = acceptance_counts(predictions, trunk, data.lengths)
+    return [a / j for a, j in zip(counts["agreed"], counts["judged"], strict=True)]
+
+
+def fresh_head_model(seed=0):
+    """A random trunk with a random head: nothing predictable wired in."""
+    return mtp_jax.CausalLM(tiny_config("deepseek", eos=()), rngs=nnx.Rngs(seed))
+
+
+def test_objective_learns_and_resume_continues_exactly(tmp_path):
+    model = fresh_head_model(seed=5)
+    data = SequenceData(model, self_distilled_data(model), width=48)
+    before = teacher_forced_depth_acceptance(model, data)
+    cfg = TrainConfig(num_steps=2, train_steps=60, batch_size=8, learning_rate=1e-2, warmup_steps=5)
+    trainer = Trainer(model, cfg)
+    losses = []
+    for step in range(60):
+        losses.append(float(trainer.train_step(data.batch(step, 8, 0))["loss"]))
+        if step == 29:
+            trainer.save(str(tmp_path / "ckpt"))
+    after = teacher_forced_depth_acceptance(trainer.model(), data)
+    assert after[0] > 0.75 and after[0] > before[0] + 0.5, (before, after)  # seen: 0.07 -> 0.83
+    assert losses[-1] < 0.5 * losses[0]
+    assert trainer._train_step._cache_size() == 1  # compiled once
+
+    resumed = Trainer(fresh_head_model(seed=5), cfg)
+    assert resumed.restore(str(tmp_path / "ckpt")) and resumed.step == 30
+    for step in range(30, 34):
+        loss = float(resumed.train_step(data.batch(step, 8, 0))["loss"])
+        assert loss == pytest.approx(losses[step], rel=1e-5)
+
+
+def test_generate_runs_inside_the_training_loop():
+    model = fresh_head_model(seed=6)
+    data = SequenceData(model, self_distilled_data(model, count=8, new_tokens=10), width=16)
+    trainer = Trainer(model, TrainConfig(num_steps=2, train_steps=4, batch_size=4))
+    mtp_cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=6, stop_on_eos=False)
+    plain_cfg = mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=6, stop_on_eos=False)
+    prompts, lens = data.tokens[:2, :4], np.full(2, 4)
+
+    @jax.jit
+    def rollout(params, frozen):
+        model = nnx.merge(trainer.graphdef, params, frozen)
+        return mtp_jax.generate(model, prompts, lens, jax.random.key(1), mtp_cfg).tokens
+
+    for step in range(2):
+        trainer.train_step(data.batch(step, 4, 0))
+        tokens = rollout(trainer.params, trainer.frozen)
+        plain = mtp_jax.generate(trainer.model(), prompts, lens, jax.random.key(1), plain_cfg).tokens
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(plain))
+    assert rollout._cache_size() == 1
+
+
+def test_frequent_tokens_counts_responses_only():
+    records = [{"token_ids": [9, 9, 9, 1, 2, 2], "prompt_len": 3}, {"token_ids": [3, 2, 5], "prompt_len": 1}]
+    # responses: [1, 2, 2] and [2, 5] -> 2 three times; 1 and 5 once (tie: lower id); 9 and 3 are prompt-only
+    np.testing.assert_array_equal(frequent_tokens(records, 10, 2), [1, 2])
