@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompts-file", help=".txt (a prompt a line) or .jsonl (prompt or token_ids a line)")
+    parser.add_argument("--head", help="MTP head folder from train_head (default: the model's own or shipped head)")
     parser.add_argument("--out", help="output JSONL (default: stdout)")
     parser.add_argument("--num-draft", type=non_negative_int, help="drafts per round (default 3 with a head)")
     parser.add_argument("--no-mtp", action="store_true", help="plain decoding through the same loop (k = 0)")
@@ -90,7 +91,7 @@ def run(args) -> int:
     from mtp_jax.prompts import bucket, encode_prompts, pad_batch
     from mtp_jax.speculative import compile_generate
 
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
     cfg = model.config
     num_draft = choose_num_draft(args, cfg.has_mtp)
     prompts = encode_prompts(

@@ -94,6 +94,7 @@ def summarize(totals: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.score", description=__doc__.splitlines()[0])
     parser.add_argument("--model")
+    parser.add_argument("--head", help="MTP head folder from train_head")
     parser.add_argument("--prompts-file", required=True)
     parser.add_argument("--num-draft", type=int, required=True)
     parser.add_argument("--out")
@@ -120,7 +121,7 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     items = read_prompt_file(args.prompts_file)
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
     if not model.config.has_mtp:
         raise UserError("this model has no MTP head to score")
     prompts = encode_prompts(
