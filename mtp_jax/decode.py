@@ -68,6 +68,9 @@ def write_atomically(path: str, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=folder)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual permissions
     os.replace(tmp, path)
 
 
