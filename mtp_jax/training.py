@@ -123,7 +123,8 @@ class Trainer:
 
     def __init__(self, model: CausalLM, cfg: TrainConfig):
         self.cfg = cfg
-        self.graphdef, self.params, self.frozen = split_trainable(model)
+        self.graphdef, params, self.frozen = split_trainable(model)
+        self.params = jax.tree.map(jnp.copy, params)  # owned: donation must not free buffers the caller shares
         self.optimizer = cfg.optimizer()
         self.opt_state = self.optimizer.init(self.params)
         self.step = 0
@@ -252,7 +253,7 @@ def init_head_from_trunk(model: CausalLM, key: jax.Array) -> None:
     random (std 1/sqrt(2D)), fusion norms at one."""
     last = jax.tree.map(lambda a: a[-1:], nnx.state(model.layers.layers))
     nnx.update(model.mtp.block.layers, last)
-    model.mtp.final_norm.scale[...] = model.final_norm.scale[...]
+    model.mtp.final_norm.scale[...] = jnp.copy(model.final_norm.scale[...])
     d = model.config.hidden_size
     model.mtp.proj[...] = (jax.random.normal(key, (2 * d, d)) / np.sqrt(2 * d)).astype(model.mtp.proj.dtype)
     model.mtp.token_norm.scale[...] = jnp.ones_like(model.mtp.token_norm.scale[...])

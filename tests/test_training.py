@@ -17,6 +17,7 @@ from mtp_jax.training import (
     TrainConfig,
     Trainer,
     frequent_tokens,
+    init_head_from_trunk,
     loss_weights,
     step_logits,
     step_losses,
@@ -128,6 +129,7 @@ def test_objective_learns_and_resume_continues_exactly(tmp_path):
 
 def test_generate_runs_inside_the_training_loop():
     model = fresh_head_model(seed=6)
+    init_head_from_trunk(model, jax.random.key(0))  # shares nothing with the trunk after init (donation-safe)
     data = SequenceData(model, self_distilled_data(model, count=8, new_tokens=10), width=16)
     trainer = Trainer(model, TrainConfig(num_steps=2, train_steps=4, batch_size=4))
     mtp_cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=6, stop_on_eos=False)
