@@ -57,15 +57,22 @@ def teacher_forced_predictions(model: CausalLM, tokens: np.ndarray, depth: int):
     return np.asarray(predictions), np.asarray(trunk)
 
 
-def acceptance_counts(predictions: np.ndarray, trunk: np.ndarray, lengths: np.ndarray) -> dict:
-    """Per-depth agreement with the trunk's argmax: raw counts and counts given all shallower depths agreed."""
+def acceptance_counts(
+    predictions: np.ndarray, trunk: np.ndarray, lengths: np.ndarray, starts: np.ndarray | None = None
+) -> dict:
+    """Per-depth agreement with the trunk's argmax: raw counts and counts given all shallower depths agreed.
+
+    starts [B]: count only chains from slot starts - 1 on (a response starting at `starts`, where decoding's
+    first round drafts from slot starts - 1); None counts every position.
+    """
     _, width, depth = predictions.shape
     p = np.arange(width)
+    first = np.zeros(len(lengths), int) if starts is None else np.maximum(np.asarray(starts) - 1, 0)
     agree_all = np.ones(predictions.shape[:2], bool)
     totals = {"judged": [], "agreed": [], "judged_chained": [], "agreed_chained": []}
     for i in range(depth):
         target_index = p + i + 1  # trunk prediction of x[p+i+2] sits at position p+i+1
-        valid = target_index[None, :] < lengths[:, None]
+        valid = (target_index[None, :] < lengths[:, None]) & (p[None, :] >= first[:, None])
         target = np.take_along_axis(trunk, np.minimum(target_index, width - 1)[None, :].repeat(len(trunk), 0), 1)
         agree = (predictions[..., i] == target) & valid
         totals["judged"].append(int(valid.sum()))

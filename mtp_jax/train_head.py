@@ -92,14 +92,15 @@ def load_sequences(path: str, model, tokenizer) -> list[dict]:
 
 
 def evaluate(model, data, num_steps: int) -> dict:
-    """Teacher-forced acceptance per depth on held-out sequences (the metric `python -m mtp_jax.score` prints)."""
+    """Teacher-forced acceptance per depth over the responses of held-out sequences (`python -m mtp_jax.score`'s
+    metric, counted where decoding drafts)."""
     from mtp_jax.score import acceptance_counts, summarize, teacher_forced_predictions
 
     totals = None
     for start in range(0, len(data), 8):
-        tokens, lengths = data.tokens[start : start + 8], data.lengths[start : start + 8]
-        predictions, trunk = teacher_forced_predictions(model, tokens, num_steps)
-        counts = acceptance_counts(predictions, trunk, lengths)
+        rows = slice(start, start + 8)
+        predictions, trunk = teacher_forced_predictions(model, data.tokens[rows], num_steps)
+        counts = acceptance_counts(predictions, trunk, data.lengths[rows], starts=data.loss_start[rows])
         totals = counts if totals is None else {k: [a + b for a, b in zip(totals[k], counts[k], strict=True)]
                                                 for k in totals}  # fmt: skip
     return summarize(totals)

@@ -62,6 +62,10 @@ def test_acceptance_counts_by_hand():
     summary = summarize(counts)
     assert summary["conditional_acceptance_per_depth"] == [0.75, 0.5]
     assert summary["expected_accepted_length"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
+    # A response starting at 3: decoding drafts from slot 2 on, so only chains p >= 2 count.
+    response_only = acceptance_counts(predictions, trunk, np.array([5]), starts=np.array([3]))
+    assert response_only["judged"] == [2, 1] and response_only["agreed"] == [1, 1]
+    assert response_only["judged_chained"] == [2, 0] and response_only["agreed_chained"] == [1, 0]
 
 
 def test_cli_writes_draft_argmax(tmp_path, capsys):
