@@ -73,17 +73,22 @@ def time_ours(model, ids, lens, num_draft: int, max_new_tokens: int, repeats: in
     return summary
 
 
-def time_peer(gguf_or_folder: str, prompts, max_new_tokens: int, repeats: int, eos_ids) -> dict:
-    """transformers' generate on the same weights (float32, greedy), left-padded batch, static cache if it works."""
+def load_peer(gguf_or_folder: str):
+    """transformers' float32 model of the same weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
     if gguf_or_folder.endswith(".gguf"):
         folder, name = os.path.split(gguf_or_folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(gguf_or_folder, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(gguf_or_folder, dtype=torch.float32).eval()
+
+
+def time_peer(model, prompts, max_new_tokens: int, repeats: int, eos_ids) -> dict:
+    """transformers' generate (greedy), left-padded batch, static cache if it works."""
+    import torch
+
     width = max(len(p.token_ids) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -132,7 +137,12 @@ def run(args) -> list[dict]:
         print("note: the model has no MTP head; timing k = 0 only", file=sys.stderr)
     prompts = encode_prompts(items, tokenizer, chat=True, vocab_size=cfg.vocab_size,
                              context=cfg.max_position_embeddings)  # fmt: skip
-    rows = []
+    rows, peer_model = [], None
+    source = args.model or default_gguf_path()
+    if not args.no_peer and os.path.isdir(source) and checkpoint.is_converted(source):
+        print("note: no peer for a converted folder", file=sys.stderr)
+    elif not args.no_peer:
+        peer_model = load_peer(source)
     for batch_size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
         ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))
@@ -141,13 +151,9 @@ def run(args) -> list[dict]:
             result = time_ours(model, ids, lens, k, args.max_new_tokens, args.repeats)
             plain = plain or (result if k == 0 else None)
             rows.append({"impl": "mtp_jax", "batch": batch_size, "k": k, **result})
-        if not args.no_peer:
-            source = args.model or default_gguf_path()
-            if os.path.isdir(source) and checkpoint.is_converted(source):
-                print("note: no peer for a converted folder", file=sys.stderr)
-            else:
-                peer = time_peer(source, batch, args.max_new_tokens, args.repeats, cfg.eos_token_ids)
-                rows.append({"impl": "transformers", "batch": batch_size, "k": 0, **peer})
+        if peer_model is not None:
+            peer = time_peer(peer_model, batch, args.max_new_tokens, args.repeats, cfg.eos_token_ids)
+            rows.append({"impl": "transformers", "batch": batch_size, "k": 0, **peer})
         reference = next(r for r in rows if r["impl"] == "mtp_jax" and r["batch"] == batch_size and r["k"] == 0)
         for row in rows:
             if row["batch"] == batch_size:
