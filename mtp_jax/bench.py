@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from mtp_jax.errors import UserError
+from mtp_jax.errors import UserError, run_cli
 
 EVAL_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "eval_prompts.jsonl")
 
@@ -196,16 +196,7 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from checkpoints_convert.errors import ConversionError
-
-    try:
-        rows = run(args)
-    except (UserError, ConversionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    command = "python -m mtp_jax.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+def report(rows: list[dict], args, command: str) -> int:
     table = markdown(rows, command)
     print(table)
     if args.json:
@@ -215,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.markdown, "w") as f:
             f.write(table)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = "python -m mtp_jax.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    return run_cli(lambda parsed: report(run(parsed), parsed, command), args)
 
 
 if __name__ == "__main__":

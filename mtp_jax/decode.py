@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from mtp_jax.errors import UserError
+from mtp_jax.errors import UserError, run_cli
 
 
 def positive_int(text: str) -> int:
@@ -163,13 +163,7 @@ def read_items(args) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from checkpoints_convert.errors import ConversionError
-
-    try:
-        return run(args)
-    except (UserError, ConversionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_cli(run, args)
 
 
 if __name__ == "__main__":

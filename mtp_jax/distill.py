@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mtp_jax.config import DecodeConfig
+from mtp_jax.errors import UserError, run_cli
 from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
 from mtp_jax.speculative import generate
 
@@ -45,12 +46,7 @@ def distill(model, tokenizer, prompts: list[dict], *, max_new_tokens: int, batch
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
-    from mtp_jax import checkpoint
-    from mtp_jax.data.prompt_builder import build_prompts
-    from mtp_jax.decode import write_atomically
-    from mtp_jax.errors import UserError
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.distill", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model path (default: the default model)")
     parser.add_argument("--out", required=True, help="output JSONL")
@@ -60,23 +56,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
-    args = parser.parse_args(argv)
-    try:
-        if args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
-            raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")
-        model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
-        if tokenizer is None:
-            raise UserError("the model has no tokenizer to apply the chat template with")
-        prompts = build_prompts(args.num_prompts, args.split, args.seed)
-        start = time.perf_counter()
-        records = distill(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return parser
+
+
+def run(args) -> int:
+    from mtp_jax import checkpoint
+    from mtp_jax.data.prompt_builder import build_prompts
+    from mtp_jax.decode import write_atomically
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
+        raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
+    if tokenizer is None:
+        raise UserError("the model has no tokenizer to apply the chat template with")
+    prompts = build_prompts(args.num_prompts, args.split, args.seed)
+    start = time.perf_counter()
+    records = distill(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     write_atomically(args.out, "".join(json.dumps(r) + "\n" for r in records))
     tokens = sum(len(r["token_ids"]) - r["prompt_len"] for r in records)
     print(f"{len(records)} sequences, {tokens} response tokens in {time.perf_counter() - start:.0f}s", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

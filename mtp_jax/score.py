@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.cache import KVCache
-from mtp_jax.errors import UserError
+from mtp_jax.errors import UserError, run_cli
 from mtp_jax.models.causal_lm import CausalLM
 
 
@@ -109,13 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
     args = parser.parse_args(argv)
-    from checkpoints_convert.errors import ConversionError
-
-    try:
-        return run(args)
-    except (UserError, ConversionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_cli(run, args)
 
 
 def run(args) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from mtp_jax.errors import UserError
+from mtp_jax.errors import UserError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,13 +161,7 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from checkpoints_convert.errors import ConversionError
-
-    try:
-        return run(args)
-    except (UserError, ConversionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_cli(run, args)
 
 
 if __name__ == "__main__":

@@ -15,23 +15,11 @@ from safetensors.numpy import load_file, save_file
 import mtp_jax
 from checkpoints_convert.__main__ import main as convert_main
 from checkpoints_convert.export import hf_tensors, save_hf_folder
-from mtp_jax.config import ModelConfig, MtpConfig
+from tests.tiny_models import tiny_config
 
 
 def tiny_model(family="llama", layout="deepseek", seed=0) -> mtp_jax.CausalLM:
-    cfg = ModelConfig(
-        family=family,
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qkv_bias=family in ("qwen2", "mimo"),
-        eos_token_ids=(1,),
-        mtp=MtpConfig(layout=layout),
-    )
+    cfg = tiny_config(layout, vocab=64, eos=(1,)).replace(family=family, qkv_bias=family in ("qwen2", "mimo"))
     return mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(seed))
 
 

@@ -9,8 +9,8 @@ from flax import nnx
 
 import mtp_jax
 from checkpoints_convert.export import save_hf_folder
-from mtp_jax.config import ModelConfig, MtpConfig
 from mtp_jax.decode import main as decode_main
+from tests.tiny_models import tiny_config
 
 STATS_FIELDS = {
     "num_draft",
@@ -30,20 +30,7 @@ STATS_FIELDS = {
 def checkpoints(tmp_path_factory):
     """A tiny HF folder with a DeepSeek-style MTP head, and one without a head."""
     root = tmp_path_factory.mktemp("ckpt")
-    cfg = ModelConfig(
-        family="qwen2",
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        qkv_bias=True,
-        max_position_embeddings=64,
-        eos_token_ids=(2,),
-        mtp=MtpConfig(),
-    )
+    cfg = tiny_config("deepseek", vocab=40, eos=(2,)).replace(family="qwen2", qkv_bias=True, max_position_embeddings=64)
     save_hf_folder(mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(3)), root / "with_head")
     save_hf_folder(mtp_jax.CausalLM(cfg.replace(mtp=None), rngs=nnx.Rngs(3)), root / "no_head")
     prompts = root / "prompts.jsonl"
