@@ -174,12 +174,38 @@ class GGUFSource(CheckpointSource):
             return unpermute_rotary_rows(array, self._config["num_key_value_heads"])
         return array
 
+    def _tokenizer_without_torch(self):
+        """transformers' GGUF tokenizer builder fed with metadata read here: its own GGUF reader imports torch,
+        which the library does not require. None when this transformers version lacks the builder."""
+        try:
+            from transformers import PreTrainedTokenizerFast
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
+        except ImportError:
+            return None
+        groups = {
+            group: {new: self._field(f"tokenizer.{old}") for old, new in renames.items()
+                    if self._reader.get_field(f"tokenizer.{old}") is not None}
+            for group, renames in GGUF_TOKENIZER_MAPPING.items()
+        }  # fmt: skip
+        tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
+        if tokenizer_dict.get("tokenizer_type") == "llama":
+            tokenizer_config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece files
+        for name in ("bos", "eos", "unknown", "padding"):
+            token_id = self._field(f"tokenizer.ggml.{name}_token_id", None)
+            key = {"unknown": "unk", "padding": "pad"}.get(name, name) + "_token"
+            tokenizer_config[key] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+        backend, extra = convert_gguf_tokenizer(self.architecture, tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
         folder, filename = os.path.split(os.path.abspath(self.path))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+            tokenizer = self._tokenizer_without_torch() or AutoTokenizer.from_pretrained(folder, gguf_file=filename)
         except (ValueError, KeyError, OSError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConversionError(f"{self.path}: cannot build a tokenizer from the GGUF ({reason})") from None

@@ -299,3 +299,18 @@ def test_truncated_smollm2_is_refused(smollm2_path, tmp_path):
         truncated.write_bytes(f.read(os.path.getsize(smollm2_path) // 2))
     with pytest.raises(ConversionError, match=r"half\.gguf: (corrupt or )?truncated GGUF"):
         GGUFSource(str(truncated))
+
+
+@pytest.mark.slow
+def test_torch_free_tokenizer_equals_transformers_gguf_tokenizer(smollm2, smollm2_path):
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm2_path)
+    reference = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ours = smollm2.load_tokenizer()
+    for text in ["Hello world, this is a test.", "  leading spaces\nand ünïcödé — 123", "def f(x):\n    return x**2"]:
+        assert ours(text)["input_ids"] == reference(text)["input_ids"]
+    chat = [{"role": "user", "content": "What is JAX?"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) == reference.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True
+    )
