@@ -1,24 +1,44 @@
-"""python -m mtp_jax.bench: plain vs MTP decoding (and transformers' PyTorch generate) — same model, same prompts,
-one process. Compile time is measured apart; each configuration runs `--repeats` times and the median is kept.
-Greedy MTP is lossless, so plain and MTP runs generate the same tokens: equal work, compared by wall time.
+"""python -m mtp_jax.bench: plain vs MTP decoding, and transformers' PyTorch generate, in one process.
+
+For each (batch size, k) the decode loop is compiled once ahead of time (timed apart), then the same prompt batch
+runs `--repeats` times and the median wall time counts. EOS does not stop any row, on either side, so every row
+generates exactly --max-new-tokens tokens and tokens/s compare equal work.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
 
 import numpy as np
 
+from mtp_jax.decode import positive_int
 from mtp_jax.errors import UserError, run_cli
 
-EVAL_PROMPTS = os.path.join(os.path.dirname(__file__), "data", "eval_prompts.jsonl")
+DEFAULT_PROMPTS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Hi! Can you recommend a good book for a long train ride?",
+    "What is 17 multiplied by 23? Show your steps.",
+    "Summarize in two sentences: The city council voted to extend the bike lane network by 40 kilometres over "
+    "the next three years, funded by a mix of national grants and local parking fees.",
+    "Explain what a hash map is to a beginner programmer.",
+    "A train leaves at 9:40 and arrives at 13:15. How long is the journey?",
+    "Write a SQL query that returns the ten most recent orders from an orders table.",
+    "Give me three tips for staying focused while working from home.",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")  # one line, no usage dump
 
 
 def int_list(text: str) -> list[int]:
@@ -28,33 +48,78 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-    return values
+    return sorted(set(values))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mtp_jax.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model path (default: the default model)")
-    parser.add_argument("--head", help="MTP head folder (default: the model's own or shipped head)")
-    parser.add_argument("--prompts-file", default=EVAL_PROMPTS, help="default: the held-out eval prompts")
-    parser.add_argument("--batch-sizes", type=int_list, default=[1, 8])
-    parser.add_argument("--num-draft", type=int_list, default=[0, 1, 2, 3])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"))
-    parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
-    parser.add_argument("--json", help="write the rows as JSON here")
+    from mtp_jax.shapes import SHAPES
+
+    parser = _Parser(prog="python -m mtp_jax.bench", description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="Hugging Face folder, converted folder or .gguf (default: SmolLM2-135M)")
+    source.add_argument("--random-shape", choices=sorted(SHAPES), help="time random weights of a named shape")
+    parser.add_argument("--head", help="MTP head folder from train_head (default: the model's own or shipped head)")
+    parser.add_argument("--prompts-file", help=".txt or .jsonl (default: 8 built-in prompts: code, chat, math, ...)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 8], help="default 1,8")
+    parser.add_argument("--num-draft", type=int_list, default=[0, 1, 2, 3], help="k values (0 always runs)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="per row (default 64)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 on CPU, else bfloat16")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per configuration (default 3)")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, help="time transformers' generate too "
+                        "(default: on, off for random shapes)")  # fmt: skip
+    parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
     return parser
 
 
-def time_ours(model, ids, lens, num_draft: int, max_new_tokens: int, repeats: int) -> dict:
+def load_target(args, notes: list[str]):
+    """(model, tokenizer or None, label, peer source path or None)."""
+    from mtp_jax import checkpoint
+
+    if args.random_shape:
+        from flax import nnx
+
+        import mtp_jax
+        from mtp_jax.shapes import SHAPES
+
+        dtype = args.dtype or checkpoint.default_dtype()
+        model = mtp_jax.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
+        return model, None, f"random weights, shape {args.random_shape}", None
+    from mtp_jax.default_model import default_gguf_path
+
+    path = args.model or default_gguf_path()
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
+    if args.peer is False:
+        return model, tokenizer, path, None
+    if os.path.isdir(path) and checkpoint.is_converted(path):
+        notes.append("no transformers peer for a converted mtp_jax folder")
+        return model, tokenizer, path, None
+    return model, tokenizer, path, path
+
+
+def read_prompts(args, model, tokenizer):
+    """Encoded prompts; random weights without a prompts file get fixed random token ids (16..58 tokens)."""
+    from mtp_jax.prompts import encode_prompts, read_prompt_file
+
+    cfg = model.config
+    if args.prompts_file:
+        items = read_prompt_file(args.prompts_file)
+    elif tokenizer is None:
+        rng = np.random.default_rng(0)
+        items = [rng.integers(0, cfg.vocab_size, 16 + 6 * i).tolist() for i in range(len(DEFAULT_PROMPTS))]
+    else:
+        items = list(DEFAULT_PROMPTS)
+    return encode_prompts(items, tokenizer, chat=True, vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings)
+
+
+def time_ours(model, ids, lens, cfg, repeats: int) -> tuple[dict, np.ndarray]:
+    """Compile once, run `repeats` times: (row fields, generated tokens [B, max_new_tokens])."""
     import jax
 
-    from mtp_jax.config import DecodeConfig
     from mtp_jax.speculative import compile_generate
     from mtp_jax.stats import add, summarize
 
-    cfg = DecodeConfig(num_draft=num_draft, max_new_tokens=max_new_tokens)
     key = jax.random.key(0)
     start = time.perf_counter()
     run = compile_generate(model, ids, lens, key, cfg)
@@ -65,143 +130,182 @@ def time_ours(model, ids, lens, num_draft: int, max_new_tokens: int, repeats: in
         out = jax.block_until_ready(run(model, ids, lens, key, cfg))
         walls.append(time.perf_counter() - start)
     wall = statistics.median(walls)
-    generated = int(np.sum(np.asarray(out.lengths)))
-    summary = summarize(add(None, out.stats), num_draft=num_draft, generated_tokens=generated, wall=wall,
-                        compile_seconds=compile_seconds)  # fmt: skip
-    summary["ms_per_round"] = 1000 * wall / max(summary["rounds"], 1)
-    summary["tokens"] = [np.asarray(out.tokens[r, : out.lengths[r]]).tolist() for r in range(len(lens))]
-    return summary
+    summary = summarize(add(None, out.stats), num_draft=cfg.num_draft, generated_tokens=int(np.sum(out.lengths)),
+                        wall=wall, compile_seconds=compile_seconds)  # fmt: skip
+    del summary["device"], summary["num_draft"]
+    fields = {**summary, "walls": walls, "ms_per_round": 1000 * wall / summary["rounds"] if summary["rounds"] else None}
+    return fields, np.asarray(out.tokens)
 
 
-def load_peer(gguf_or_folder: str):
-    """transformers' float32 model of the same weights."""
+def load_peer(path: str, dtype_name: str):
+    """transformers' model of the same weights (a .gguf is dequantized by transformers itself)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
-    if gguf_or_folder.endswith(".gguf"):
-        folder, name = os.path.split(gguf_or_folder)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(gguf_or_folder, dtype=torch.float32).eval()
+    dtype = getattr(torch, dtype_name)
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def time_peer(model, prompts, max_new_tokens: int, repeats: int, eos_ids) -> dict:
-    """transformers' generate (greedy), left-padded batch, static cache if it works."""
+def time_peer(model, prompts, max_new_tokens: int, temperature: float, repeats: int) -> tuple[dict, np.ndarray]:
+    """generate on a left-padded batch with its attention mask; static cache when it works, else dynamic."""
     import torch
 
     width = max(len(p.token_ids) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
     for row, p in enumerate(prompts):
         ids[row, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
-        mask[row, width - len(p.token_ids) :] = 1
-    kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                  eos_token_id=list(eos_ids) or None)  # fmt: skip
-    cache = "static"
-    try:
-        with torch.no_grad():
-            model.generate(ids, cache_implementation="static", **kwargs)
-    except Exception as e:  # an unsupported cache on this platform: fall back to the default cache
-        print(f"note: static cache unavailable for the peer ({type(e).__name__}); using the dynamic cache",
-              file=sys.stderr)  # fmt: skip
-        cache = "dynamic"
-    walls = []
-    for _ in range(repeats):
+    mask = (torch.arange(width)[None] >= torch.tensor([[width - len(p.token_ids)] for p in prompts])).long()
+    # eos_token_id=None: EOS is generated like any token but stops nothing (min_new_tokens would mask it instead).
+    greedy = {"do_sample": False}
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else greedy
+    kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0, **sampling)
+
+    def generate(cache):
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, **({"cache_implementation": "static"} if cache == "static" else {}), **kwargs)
-        walls.append(time.perf_counter() - start)
-    new = out[:, width:]
-    tokens = []
-    for row in new.tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        tokens.append(row[:cut])
+            out = model.generate(ids, cache_implementation=cache, **kwargs)
+        return out, time.perf_counter() - start
+
+    cache = "static"
+    try:
+        generate(cache)  # warm-up, not timed
+    except Exception as e:  # this platform or version cannot run the static cache
+        print(f"note: static cache failed for transformers ({type(e).__name__}: {e}); using dynamic", file=sys.stderr)
+        cache = "dynamic"
+        generate(cache)
+    runs = [generate(cache) for _ in range(repeats)]
+    walls = [wall for _, wall in runs]
+    new = runs[-1][0][:, width:].numpy()  # [B, max_new_tokens]
     wall = statistics.median(walls)
-    generated = sum(len(t) for t in tokens)
-    return {"tokens_per_second": generated / wall, "wall_seconds": wall, "generated_tokens": generated,
-            "cache": cache, "tokens": tokens}  # fmt: skip
+    fields = {"cache": cache, "rounds": max_new_tokens - 1, "generated_tokens": int(new.size),
+              "mean_accepted_length": 1.0, "acceptance_rate": 0.0, "acceptance_per_position": [],
+              "tokens_per_second": new.size / wall, "wall_seconds": wall, "compile_seconds": None, "walls": walls,
+              "ms_per_round": 1000 * wall / (max_new_tokens - 1) if max_new_tokens > 1 else None}  # fmt: skip
+    return fields, new
 
 
-def run(args) -> list[dict]:
-    from mtp_jax import checkpoint
-    from mtp_jax.default_model import default_gguf_path
-    from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
+def run(args) -> dict:
+    from mtp_jax.config import DecodeConfig
+    from mtp_jax.prompts import bucket, pad_batch
 
-    if args.max_new_tokens < 1 or args.repeats < 1 or 0 in args.batch_sizes:
-        raise UserError("--max-new-tokens, --repeats and batch sizes must be >= 1")
-    items = read_prompt_file(args.prompts_file)
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
-    cfg = model.config
-    drafts = [k for k in args.num_draft if k == 0 or cfg.has_mtp]
-    if len(drafts) < len(args.num_draft):
-        print("note: the model has no MTP head; timing k = 0 only", file=sys.stderr)
-    prompts = encode_prompts(items, tokenizer, chat=True, vocab_size=cfg.vocab_size,
-                             context=cfg.max_position_embeddings)  # fmt: skip
-    rows, peer_model = [], None
-    source = args.model or default_gguf_path()
-    if not args.no_peer and os.path.isdir(source) and checkpoint.is_converted(source):
-        print("note: no peer for a converted folder", file=sys.stderr)
-    elif not args.no_peer:
-        peer_model = load_peer(source)
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.model is not None and not os.path.exists(args.model):
+        raise UserError(f"{args.model}: no such model file or folder")
+    if args.random_shape and (args.head or args.peer):
+        raise UserError("--random-shape takes no --head and has no transformers peer (--peer)")
+    if 0 in args.batch_sizes:
+        raise UserError("--batch-sizes must be >= 1")
+    notes: list[str] = []
+    model, tokenizer, label, peer_path = load_target(args, notes)
+    drafts = sorted({0, *args.num_draft})
+    if not model.config.has_mtp and drafts != [0]:
+        drafts = [0]
+        notes.append("the model has no MTP head: k > 0 skipped")
+    prompts = read_prompts(args, model, tokenizer)
+    dtype = np.dtype(model.dtype).name
+    peer = load_peer(peer_path, dtype) if peer_path else None
+    rows = []
     for batch_size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
-        ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))
-        plain = None
+        ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))  # [B, W], [B]
+        results = []
         for k in drafts:
-            result = time_ours(model, ids, lens, k, args.max_new_tokens, args.repeats)
-            plain = plain or (result if k == 0 else None)
-            rows.append({"impl": "mtp_jax", "batch": batch_size, "k": k, **result})
-        if peer_model is not None:
-            peer = time_peer(peer_model, batch, args.max_new_tokens, args.repeats, cfg.eos_token_ids)
-            rows.append({"impl": "transformers", "batch": batch_size, "k": 0, **peer})
-        reference = next(r for r in rows if r["impl"] == "mtp_jax" and r["batch"] == batch_size and r["k"] == 0)
-        for row in rows:
-            if row["batch"] == batch_size:
-                row["speedup_vs_plain"] = row["tokens_per_second"] / reference["tokens_per_second"]
-                row["same_tokens_as_plain"] = row["tokens"] == reference["tokens"]
-    return rows
+            cfg = DecodeConfig(num_draft=k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               stop_on_eos=False)  # fmt: skip
+            fields, tokens = time_ours(model, ids, lens, cfg, args.repeats)
+            results.append(({"impl": "mtp_jax", "batch": batch_size, "k": k, **fields}, tokens))
+        if peer is not None:
+            fields, tokens = time_peer(peer, batch, args.max_new_tokens, args.temperature, args.repeats)
+            results.append(({"impl": "transformers", "batch": batch_size, "k": 0, **fields}, tokens))
+        plain, plain_tokens = results[0]
+        peer_speed = results[-1][0]["tokens_per_second"] if peer is not None else None
+        for row, tokens in results:
+            row["speedup_vs_plain"] = row["tokens_per_second"] / plain["tokens_per_second"]
+            row["ours_over_peer"] = row["tokens_per_second"] / peer_speed if peer_speed else None
+            compared = row is not plain and args.temperature == 0
+            row["same_tokens"] = bool(np.array_equal(tokens, plain_tokens)) if compared else None
+            rows.append(row)
+    if peer is not None:
+        notes.append(f"transformers ran with the {rows[-1]['cache']} cache")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return {"meta": metadata(args, label, dtype, notes), "rows": rows}
 
 
-def markdown(rows: list[dict], command: str) -> str:
-    import jax
-    import jaxlib
-
+def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
     from mtp_jax.stats import describe_device
 
-    versions = f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"
-    try:
-        import torch
-        import transformers
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
 
-        versions += f", torch {torch.__version__}, transformers {transformers.__version__}"
-    except ImportError:
-        pass
+    return {
+        "command": args.command,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": describe_device(),
+        "host": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
+        "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
+        "model": label,
+        "dtype": dtype,
+        "prompts": args.prompts_file or "built-in",
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "notes": notes,
+    }
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return platform.processor() or "cpu"
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    versions = ", ".join(f"{name} {v}" for name, v in meta["versions"].items())
     lines = [
-        f"- command: `{command}`",
-        f"- device: {describe_device()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        f"- versions: {versions}; date: {datetime.date.today().isoformat()}",
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}",
+        f"- device: {meta['device']}; host: {meta['host']}",
+        f"- versions: {versions}",
+        f"- model: {meta['model']} ({meta['dtype']}); prompts: {meta['prompts']}; {meta['max_new_tokens']} new tokens "
+        f"per row; temperature {meta['temperature']}; median of {meta['repeats']} runs",
+        *(f"- note: {note}" for note in meta["notes"]),
         "",
-        "| impl | batch | k | tokens/s | ms/round | mean accepted len | accept/pos | speedup vs plain | same tokens | "
-        "compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| impl | batch | k | tokens/s | ms/round | mean accepted len | accept/pos | speedup vs plain "
+        "| ours/transformers | same tokens | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        per_pos = ", ".join(f"{p:.2f}" for p in r.get("acceptance_per_position", []))
+    number = lambda value, form: "-" if value is None else format(value, form)
+    for r in result["rows"]:
+        impl = r["impl"] + (f" ({r['cache']} cache)" if "cache" in r else "")
+        per_pos = ", ".join(f"{p:.2f}" for p in r["acceptance_per_position"]) or "-"
+        same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         lines.append(
-            f"| {r['impl']}{' (' + r['cache'] + ' cache)' if 'cache' in r else ''} | {r['batch']} | {r['k']} | "
-            f"{r['tokens_per_second']:.1f} | {r.get('ms_per_round', float('nan')):.1f} | "
-            f"{r.get('mean_accepted_length', 1.0):.2f} | {per_pos or '-'} | {r['speedup_vs_plain']:.2f}x | "
-            f"{'yes' if r['same_tokens_as_plain'] else 'no'} | {r.get('compile_seconds', 0.0):.1f} |"
+            f"| {impl} | {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | {number(r['ms_per_round'], '.1f')} "
+            f"| {r['mean_accepted_length']:.2f} | {per_pos} | {r['speedup_vs_plain']:.2f}x "
+            f"| {number(r['ours_over_peer'], '.2f')} | {same} | {number(r['compile_seconds'], '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def report(rows: list[dict], args, command: str) -> int:
-    table = markdown(rows, command)
+def report(args) -> int:
+    result = run(args)
+    table = markdown(result)
     print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=2)
+            json.dump(result, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
@@ -209,9 +313,10 @@ def report(rows: list[dict], args, command: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    command = "python -m mtp_jax.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    return run_cli(lambda parsed: report(run(parsed), parsed, command), args)
+    args.command = "python -m mtp_jax.bench " + shlex.join(argv)
+    return run_cli(report, args)
 
 
 if __name__ == "__main__":

@@ -1,40 +1,90 @@
-"""The benchmark harness end to end on a tiny checkpoint (a smoke test: no timing is asserted)."""
+"""The benchmark harness end to end on tiny models (smoke tests: no timing is asserted)."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import pytest
 from flax import nnx
 
 import mtp_jax
 from checkpoints_convert.export import save_hf_folder
 from mtp_jax.bench import main as bench_main
-from tests.tiny_models import tiny_config
+from mtp_jax.shapes import SHAPES
+
+POSITIVE_FIELDS = ("tokens_per_second", "ms_per_round", "mean_accepted_length", "wall_seconds", "speedup_vs_plain")
 
 
-def test_bench_rows_with_peer(tmp_path, capsys):
-    cfg = tiny_config("deepseek", vocab=64, eos=(2,)).replace(max_position_embeddings=256)
-    save_hf_folder(mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "hf")
+def check_rows(rows: list[dict], max_new_tokens: int) -> None:
+    for row in rows:
+        for field in POSITIVE_FIELDS:
+            assert math.isfinite(row[field]) and row[field] > 0, (field, row)
+        assert row["generated_tokens"] == row["batch"] * max_new_tokens  # EOS stops nothing: equal work
+        assert len(row["acceptance_per_position"]) == row["k"]
+        assert all(0 <= p <= 1 for p in row["acceptance_per_position"])
+
+
+def test_bench_random_shape(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    code = bench_main([
+        "--random-shape", "tiny", "--batch-sizes", "1,2", "--num-draft", "0,2", "--max-new-tokens", "8",
+        "--repeats", "1", "--no-peer", "--json", str(out),
+    ])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["meta"]["model"] == "random weights, shape tiny" and result["meta"]["command"].endswith(str(out))
+    rows = result["rows"]
+    assert [(r["impl"], r["batch"], r["k"]) for r in rows] == [("mtp_jax", 1, 0), ("mtp_jax", 1, 2),
+                                                               ("mtp_jax", 2, 0), ("mtp_jax", 2, 2)]  # fmt: skip
+    check_rows(rows, 8)
+    assert all(r["compile_seconds"] > 0 and r["ours_over_peer"] is None for r in rows)
+    assert all(r["same_tokens"] for r in rows if r["k"])  # greedy MTP is lossless
+    assert "| mtp_jax | 2 | 2 |" in capsys.readouterr().out
+
+
+def test_bench_peer_on_hf_folder(tmp_path, capsys):
+    save_hf_folder(mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0)), tmp_path / "hf")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"token_ids": [5, 6, 7]}\n{"token_ids": [8, 9, 10, 11, 12]}\n')
     code = bench_main([
         "--model", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--batch-sizes", "1,2",
-        "--num-draft", "0,2", "--max-new-tokens", "8", "--repeats", "1", "--json", str(tmp_path / "b.json"),
+        "--num-draft", "2", "--max-new-tokens", "8", "--repeats", "1", "--json", str(tmp_path / "b.json"),
         "--markdown", str(tmp_path / "b.md"), "--dtype", "float32",
     ])  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    rows = json.loads((tmp_path / "b.json").read_text())
-    assert {(r["impl"], r["batch"], r["k"]) for r in rows} == {
+    result = json.loads((tmp_path / "b.json").read_text())
+    rows = result["rows"]
+    assert [(r["impl"], r["batch"], r["k"]) for r in rows] == [
         ("mtp_jax", 1, 0), ("mtp_jax", 1, 2), ("transformers", 1, 0),
         ("mtp_jax", 2, 0), ("mtp_jax", 2, 2), ("transformers", 2, 0),
-    }  # fmt: skip
-    for row in rows:
-        assert math.isfinite(row["tokens_per_second"]) and row["tokens_per_second"] > 0
-        assert row["same_tokens_as_plain"], row  # MTP and the peer decode exactly what plain decoding does
-    assert "| mtp_jax | 2 | 2 |" in (tmp_path / "b.md").read_text()
+    ]  # fmt: skip
+    check_rows(rows, 8)
+    assert all(r["same_tokens"] for r in rows if r["impl"] == "transformers" or r["k"])  # same greedy tokens
+    assert "transformers (" in (tmp_path / "b.md").read_text()
 
 
-def test_bench_bad_option_is_one_line(capsys, tmp_path):
-    code = bench_main(["--model", str(tmp_path / "missing"), "--repeats", "0"])
-    assert code == 1 and len(capsys.readouterr().err.strip().splitlines()) == 1
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--repeats", "0"],
+        ["--batch-sizes", "1,x"],
+        ["--random-shape", "nope"],
+        ["--random-shape", "tiny", "--model", "m.gguf"],
+    ],
+)
+def test_bench_bad_option_is_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(argv)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv", [["--model", "missing.gguf"], ["--random-shape", "tiny", "--peer"], ["--temperature", "-1"]]
+)
+def test_bench_bad_input_is_one_line(argv, capsys):
+    assert bench_main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1
