@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp_jax.cache import KVCache
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.models.causal_lm import CausalLM
 
@@ -28,11 +27,11 @@ def _teacher_forced(graphdef, params, tokens, depth: int):
     model: CausalLM = nnx.merge(graphdef, params)
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    cache = KVCache.zeros(model.config.num_layers, batch, width + depth, model.config, model.dtype)
+    cache = model.new_cache(batch, width + depth)
     hidden, _ = model.trunk(tokens, positions, cache)  # [B, T, D]
     trunk_argmax = jnp.argmax(model.logits(hidden), axis=-1)  # [B, T]: the trunk's x[p+1]
     padded = jnp.concatenate([tokens, jnp.zeros((batch, depth + 1), tokens.dtype)], axis=1)  # [B, T+d+1]
-    mtp_cache = KVCache.zeros(1, batch, width + depth, model.config, model.dtype)
+    mtp_cache = model.new_mtp_cache(batch, width + depth)
     deep, normed, mtp_cache = model.mtp_step(hidden, padded[:, 1 : width + 1], positions, mtp_cache)
     first = model.draft_ids(jnp.argmax(model.draft_logits(normed), axis=-1))  # [B, T]: predicts x[p+2]
 

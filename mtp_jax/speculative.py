@@ -204,7 +204,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
     batch, prompt_width = prompt_ids.shape
     k = cfg.num_draft
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
-    cache = KVCache.zeros(model.config.num_layers, batch, slots, model.config, model.dtype)
+    cache = model.new_cache(batch, slots)
     hidden, cache = model.trunk(prompt_ids, positions, cache)  # [B, P, D]
     last = prompt_lens - 1
     last_hidden = _gather_rows(hidden, last)  # [B, D]
@@ -246,7 +246,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
     # MTP over the prompt: slot p pairs h[p] with x[p+1]; the last prompt slot pairs with the first token.
     next_tokens = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
     next_tokens = jnp.where(jnp.arange(prompt_width) == last[:, None], first[:, None], next_tokens)
-    mtp_cache = KVCache.zeros(1, batch, slots, model.config, model.dtype)
+    mtp_cache = model.new_mtp_cache(batch, slots)
     _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
     block_hidden = jnp.zeros((batch, k + 1, hidden.shape[-1]), hidden.dtype).at[:, 0].set(last_hidden)
     return state.replace(

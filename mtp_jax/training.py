@@ -20,7 +20,6 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from mtp_jax.cache import KVCache
 from mtp_jax.models.causal_lm import CausalLM
 
 
@@ -45,7 +44,7 @@ def step_logits(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps
     next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch_size, 1), tokens.dtype)], axis=1)  # x[s+1]
     logits = []
     for _ in range(num_steps):
-        cache = KVCache.zeros(1, batch_size, 1, model.config, hidden.dtype)  # a full-sequence pass, no past
+        cache = model.new_mtp_cache(batch_size, 1)  # a full-sequence pass, no past
         recurse, normed, _ = model.mtp_step(hidden, next_tokens, positions, cache)
         logits.append(model.draft_logits(normed))
         hidden = jnp.concatenate([jnp.zeros_like(recurse[:, :1]), recurse[:, :-1]], axis=1)  # slot s <- s-1
@@ -187,7 +186,7 @@ def _trunk_hidden(graphdef, params, tokens):
     model: CausalLM = nnx.merge(graphdef, params)
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    cache = KVCache.zeros(model.config.num_layers, batch, 1, model.config, model.dtype)
+    cache = model.new_cache(batch, 1)
     return model.trunk(tokens, positions, cache)[0]
 
 

@@ -98,6 +98,14 @@ class CausalLM(nnx.Module):
     def dtype(self):
         return self.embed.dtype
 
+    def new_cache(self, batch: int, slots: int) -> KVCache:
+        """An empty trunk cache: [L, B, S, K, H] keys and values in the model's dtype."""
+        return KVCache.zeros(self.config.num_layers, batch, slots, self.config, self.dtype)
+
+    def new_mtp_cache(self, batch: int, slots: int) -> KVCache:
+        """An empty MTP-layer cache: [1, B, S, K, H]."""
+        return KVCache.zeros(1, batch, slots, self.config, self.dtype)
+
     def rope(self, positions: jax.Array):
         return rope_tables(positions, rope_inverse_frequencies(self.config.rope, self.config.head_dim))
 
