@@ -83,7 +83,7 @@ def run(args) -> int:
         raise UserError("--mesh is not supported yet: sharded decoding has not landed")
     if args.model is not None and not os.path.exists(args.model):
         raise UserError(f"{args.model}: no such model file or folder")
-    items = read_items(args)
+    records = read_records(args)
 
     import jax
     import numpy as np
@@ -98,7 +98,11 @@ def run(args) -> int:
     cfg = model.config
     num_draft = choose_num_draft(args, cfg.has_mtp)
     prompts = encode_prompts(
-        items, tokenizer, chat=not args.no_chat, vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings
+        [item for item, _ in records],
+        tokenizer,
+        chat=not args.no_chat,
+        vocab_size=cfg.vocab_size,
+        context=cfg.max_position_embeddings,
     )
     decode_cfg = DecodeConfig(
         num_draft=num_draft,
@@ -109,20 +113,20 @@ def run(args) -> int:
     )
     batch_size = min(args.batch_size, len(prompts))
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    base_key = jax.random.key(args.seed)
+    row_sampling = per_row_sampling(args, [overrides for _, overrides in records])
     compiled, compile_seconds, wall, counters = {}, 0.0, 0.0, None
     records = []
     for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2, file=sys.stderr):
         width = bucket(max(len(p.token_ids) for p in batch))
         ids, lens = pad_batch(batch, batch_size, width)
-        rows = [p.index for p in batch] + [batch[0].index] * (batch_size - len(batch))
-        keys = jax.vmap(lambda i: jax.random.fold_in(base_key, i))(np.asarray(rows))  # one stream per prompt
+        rows = np.asarray([p.index for p in batch] + [batch[0].index] * (batch_size - len(batch)))
+        keys, sampling = row_sampling(rows)
         if width not in compiled:
             start = time.perf_counter()
-            compiled[width] = compile_generate(model, ids, lens, keys, decode_cfg)
+            compiled[width] = compile_generate(model, ids, lens, keys, decode_cfg, sampling)
             compile_seconds += time.perf_counter() - start
         start = time.perf_counter()
-        out = jax.block_until_ready(compiled[width](model, ids, lens, keys, decode_cfg))
+        out = jax.block_until_ready(compiled[width](model, ids, lens, keys, decode_cfg, sampling))
         wall += time.perf_counter() - start
         counters = stats.add(counters, out.stats)
         tokens, lengths, by_eos = (np.asarray(x) for x in (out.tokens, out.lengths, out.finished_by_eos))
@@ -153,12 +157,48 @@ def run(args) -> int:
     return 0
 
 
-def read_items(args) -> list:
-    from mtp_jax.prompts import read_prompt_file
+def read_records(args) -> list[tuple[str | list[int], dict]]:
+    """(prompt, per-row sampling overrides) for each prompt."""
+    from mtp_jax.prompts import read_prompt_records
 
     if args.prompts_file:
-        return read_prompt_file(args.prompts_file)
-    return list(args.prompt)
+        return read_prompt_records(args.prompts_file)
+    return [(prompt, {}) for prompt in args.prompt]
+
+
+def per_row_sampling(args, overrides: list[dict]):
+    """A function of prompt indices [B] -> (one key per row [B], SamplingParams or None when every row is greedy).
+
+    A row's key is `key(seed)` when its line sets a seed, else `fold_in(key(--seed), prompt index)`: every row has
+    its own stream, whatever rows share its batch.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mtp_jax.sampling import SamplingParams
+
+    defaults = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    table = {name: np.array([o.get(name, value) for o in overrides]) for name, value in defaults.items()}
+    base_key = jax.random.key(args.seed)
+    own_seed = [o.get("seed") for o in overrides]
+    all_greedy = not table["temperature"].any()
+
+    def for_rows(rows: np.ndarray):
+        keys = jnp.stack([
+            jax.random.key(own_seed[r]) if own_seed[r] is not None else jax.random.fold_in(base_key, int(r))
+            for r in rows
+        ])  # fmt: skip
+        if all_greedy:
+            return keys, None
+        sampling = SamplingParams(
+            temperature=jnp.asarray(table["temperature"][rows], jnp.float32),
+            top_k=jnp.asarray(table["top_k"][rows], jnp.int32),
+            top_p=jnp.asarray(table["top_p"][rows], jnp.float32),
+        )
+        return keys, sampling
+
+    return for_rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,13 +18,25 @@ class Prompt:
     token_ids: tuple[int, ...]
 
 
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+
+
 def read_prompt_file(path: str) -> list[str | list[int]]:
     """A .txt file (one prompt a line) or .jsonl ({"prompt": ...} or {"token_ids": [...]} a line)."""
+    return [item for item, _ in read_prompt_records(path)]
+
+
+def read_prompt_records(path: str) -> list[tuple[str | list[int], dict]]:
+    """(prompt, per-row sampling overrides) for each prompt of a .txt or .jsonl file.
+
+    A .jsonl line may carry any of "temperature", "top_k", "top_p", "seed" next to its prompt; they override the
+    command line's values for that row only.
+    """
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such prompts file")
     with open(path, encoding="utf-8") as f:
         lines = [line.rstrip("\n") for line in f]
-    items: list[str | list[int]] = []
+    records: list[tuple[str | list[int], dict]] = []
     if path.endswith(".jsonl"):
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -34,19 +46,36 @@ def read_prompt_file(path: str) -> list[str | list[int]]:
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{number}: invalid JSON ({e.msg})") from None
             if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-                items.append(record["prompt"])
+                item = record["prompt"]
             elif isinstance(record, dict) and isinstance(record.get("token_ids"), list):
-                ids = record["token_ids"]
-                if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                item = record["token_ids"]
+                if not item or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
                     raise UserError(f"{path}:{number}: token_ids must be a non-empty list of integers")
-                items.append(ids)
             else:
                 raise UserError(f'{path}:{number}: expected {{"prompt": "..."}} or {{"token_ids": [...]}}')
+            records.append((item, _sampling_overrides(record, f"{path}:{number}")))
     else:
-        items = [line for line in lines if line.strip()]
-    if not items:
+        records = [(line, {}) for line in lines if line.strip()]
+    if not records:
         raise UserError(f"{path}: no prompts in file")
-    return items
+    return records
+
+
+def _sampling_overrides(record: dict, where: str) -> dict:
+    overrides = {name: record[name] for name in SAMPLING_FIELDS if name in record}
+    for name, value in overrides.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        integer = number and isinstance(value, int)
+        valid = {
+            "temperature": number and value >= 0,
+            "top_k": integer and value >= 0,
+            "top_p": number and 0 < value <= 1,
+            "seed": integer,
+        }[name]
+        if not valid:
+            wanted = {"temperature": ">= 0", "top_k": "an integer >= 0", "top_p": "in (0, 1]", "seed": "an integer"}
+            raise UserError(f"{where}: {name} must be {wanted[name]}, got {value!r}")
+    return overrides
 
 
 def encode_prompts(items, tokenizer, *, chat: bool, vocab_size: int, context: int) -> list[Prompt]:

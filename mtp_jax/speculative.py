@@ -155,9 +155,11 @@ class _Round:
         slot = jnp.arange(k + 1)
         padded = jnp.concatenate([drafts, jnp.zeros((drafts.shape[0], 1), jnp.int32)], axis=1)  # [B, k+1]
         emitted = jnp.where(slot < accepted[:, None], padded, token[:, None])  # valid for slot <= a
-        is_eos = jnp.isin(emitted, self.eos) & (slot <= accepted[:, None])
-        hit_eos = jnp.any(is_eos, axis=1)
-        eos_index = jnp.argmax(is_eos, axis=1)
+        if self.eos.size:
+            is_eos = jnp.isin(emitted, self.eos) & (slot <= accepted[:, None])
+            hit_eos, eos_index = jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1)
+        else:  # nothing stops a row (and XLA would spend seconds constant-folding the empty search)
+            hit_eos, eos_index = jnp.zeros_like(active), jnp.zeros_like(accepted)
         count = jnp.where(hit_eos, eos_index + 1, accepted + 1)
         count = jnp.where(active, jnp.minimum(count, cfg.max_new_tokens - s.num_generated), 0)
         write_at = jnp.where(slot < count[:, None], s.num_generated[:, None] + slot, s.tokens.shape[1])
