@@ -7,6 +7,7 @@ exactly once; every tensor's shape is checked against its parameter before it is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -23,7 +24,10 @@ from checkpoints_convert.hf_config import model_config_from_hf
 from checkpoints_convert.key_table import (
     DECODER_LAYER,
     IGNORED_SUFFIXES,
+    MLA_ATTENTION,
+    MOE_MLP,
     MTP_FUSION,
+    ROUTED_EXPERT,
     TRUNK_ROOT,
     Target,
     mtp_prefix,
@@ -48,18 +52,30 @@ def abstract_params(cfg: ModelConfig, dtype) -> dict[ParamPath, jax.ShapeDtypeSt
     }
 
 
+LAYER_TABLE = {**DECODER_LAYER, **MLA_ATTENTION, **MOE_MLP}  # entries whose parameter a layer lacks are skipped
+
+
+def _layer_targets(cfg: ModelConfig, prefix: str, stack: ParamPath, index: int) -> Iterator[tuple[str, Target]]:
+    """The tensors of one decoder layer under `prefix`, filling slot `index` of the layer stack at `stack`."""
+    for suffix, (path, transform) in LAYER_TABLE.items():
+        yield prefix + suffix, Target((*stack, "layers", *path), (index,), transform)
+    for e in range(cfg.moe.num_experts if cfg.moe is not None else 0):
+        for suffix, (path, transform) in ROUTED_EXPERT.items():
+            yield f"{prefix}mlp.experts.{e}.{suffix}", Target((*stack, "layers", *path), (index, e), transform)
+
+
 def candidate_targets(cfg: ModelConfig) -> Iterator[tuple[str, Target]]:
+    """Every tensor name this model could read, with its target (the caller keeps those whose parameter exists)."""
     for name, (path, transform) in TRUNK_ROOT.items():
-        yield name, Target(path, None, transform)
-    for i in range(cfg.num_layers):
-        for suffix, (path, transform) in DECODER_LAYER.items():
-            yield f"model.layers.{i}.{suffix}", Target(("layers", "layers", *path), i, transform)
+        yield name, Target(path, (), transform)
+    for s, segment in enumerate(cfg.segments()):
+        for j in range(segment.count):
+            yield from _layer_targets(cfg, f"model.layers.{segment.start + j}.", ("segments", str(s)), j)
     if cfg.has_mtp:
         prefix = mtp_prefix(cfg.mtp.layout, cfg.num_layers)
         for suffix, (path, transform) in MTP_FUSION[cfg.mtp.layout].items():
-            yield prefix + suffix, Target(("mtp", *path), None, transform)
-        for suffix, (path, transform) in DECODER_LAYER.items():
-            yield prefix + suffix, Target(("mtp", "block", "layers", *path), 0, transform)
+            yield prefix + suffix, Target(("mtp", *path), (), transform)
+        yield from _layer_targets(cfg, prefix, ("mtp", "block"), 0)
 
 
 @dataclasses.dataclass
@@ -99,10 +115,74 @@ def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStru
         if path == ("draft_vocab",):
             continue
         slots = filled.get(path, set())
-        stacked = any(index is not None for index in slots)
-        if not slots or slots != (set(range(spec.shape[0])) if stacked else {None}):
+        depth = len(next(iter(slots))) if slots else 0
+        if not slots or slots != set(itertools.product(*(range(n) for n in spec.shape[:depth]))):
             raise ConversionError(f"parameter {'/'.join(path)} is not filled by the key table")
     return Plan(expected, ignored)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamReader:
+    """One parameter, read from its checkpoint tensors whole or block by block (their shapes already checked).
+
+    tensors: (HF name, target) for every slot of the leading stacked axes (one entry, index (), when unstacked).
+    """
+
+    source: CheckpointSource
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    tensors: tuple[tuple[str, Target], ...]
+
+    def read(self, on_tensor: Callable[[str], None] | None = None) -> np.ndarray:
+        """The whole parameter as a host array."""
+        return self.read_blocks([tuple(slice(0, n) for n in self.shape)], on_tensor)[0]
+
+    def read_blocks(
+        self, blocks: list[tuple[slice, ...]], on_tensor: Callable[[str], None] | None = None
+    ) -> list[np.ndarray]:
+        """Host arrays for `blocks` (unit-step slices, one per axis), reading each tensor once. A block that is a
+        device's shard copies only its part of each (memory-mapped) tensor."""
+        outs = [np.empty([s.stop - s.start for s in block], self.dtype) for block in blocks]
+        for name, target in self.tensors:
+            depth = len(target.index)
+            value = None
+            for block, out in zip(blocks, outs, strict=True):
+                lead = block[:depth]  # this block's range on the stacked axes
+                if not all(s.start <= i < s.stop for i, s in zip(target.index, lead, strict=True)):
+                    continue
+                if value is None:
+                    value = target.transform(np.asarray(self.source.read(name)), self.shape[depth:])
+                at = tuple(i - s.start for i, s in zip(target.index, lead, strict=True))
+                out[at] = value[block[depth:]].astype(self.dtype)
+            if on_tensor is not None:
+                on_tensor(name)
+        return outs
+
+
+def param_readers(
+    source: CheckpointSource, cfg: ModelConfig, dtype, only_mtp: bool = False
+) -> tuple[dict[ParamPath, ParamReader], Plan]:
+    """A reader for every parameter (not the draft vocabulary: heads carry it), every tensor's shape checked before
+    anything is read. `only_mtp` covers just the MTP head (a head file)."""
+    params = abstract_params(cfg, dtype)
+    if only_mtp:
+        params = {path: spec for path, spec in params.items() if path[0] == "mtp"}
+    plan = plan_conversion(cfg, params, source.tensor_names())
+    by_path: dict[ParamPath, list[tuple[str, Target]]] = {}
+    for name, target in plan.targets.items():
+        by_path.setdefault(target.path, []).append((name, target))
+    readers = {}
+    for path, spec in params.items():
+        if path == ("draft_vocab",):
+            continue
+        for name, target in by_path[path]:
+            want = target.transform.hf_shape(spec.shape[len(target.index) :])
+            got = tuple(source.shape(name))
+            if got != want:
+                raise ConversionError(f"shape mismatch for {name}: checkpoint has {got}, model expects {want}")
+        # the model's dtype, except float32 router biases
+        readers[path] = ParamReader(source, tuple(spec.shape), np.dtype(spec.dtype), tuple(by_path[path]))
+    return readers, plan
 
 
 def convert_params(
@@ -118,32 +198,10 @@ def convert_params(
     `place(path, array)` puts a finished host array where it belongs (a device, a sharding); by default it stays
     a NumPy array. `only_mtp` fills just the MTP head (a head file). Returns the flat parameters and the plan.
     """
-    params = abstract_params(cfg, dtype)
-    if only_mtp:
-        params = {path: spec for path, spec in params.items() if path[0] == "mtp"}
-    plan = plan_conversion(cfg, params, source.tensor_names())
-    by_path: dict[ParamPath, list[tuple[str, Target]]] = {}
-    for name, target in plan.targets.items():
-        by_path.setdefault(target.path, []).append((name, target))
-    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    readers, plan = param_readers(source, cfg, dtype, only_mtp)
     out = {}
-    for path, spec in params.items():
-        if path == ("draft_vocab",):
-            continue
-        array = np.empty(spec.shape, np_dtype)
-        for name, target in by_path[path]:
-            slot_shape = spec.shape if target.index is None else spec.shape[1:]
-            want = target.transform.hf_shape(slot_shape)
-            got = tuple(source.shape(name))
-            if got != want:
-                raise ConversionError(f"shape mismatch for {name}: checkpoint has {got}, model expects {want}")
-            value = target.transform(np.asarray(source.read(name)), slot_shape).astype(np_dtype)
-            if target.index is None:
-                array[...] = value
-            else:
-                array[target.index] = value
-            if on_tensor is not None:
-                on_tensor(name)
+    for path, reader in readers.items():
+        array = reader.read(on_tensor)
         out[path] = place(path, array) if place is not None else array
     return out, plan
 
@@ -187,4 +245,37 @@ def write_converted(dst: str, cfg: ModelConfig, params: dict, tokenizer, report:
 
 
 def config_of(source: CheckpointSource) -> ModelConfig:
-    return model_config_from_hf(source.hf_config)
+    """The model config of a checkpoint: its config.json mapped, then what only the tensors tell (the MTP layer's
+    presence and its embedding / head copies)."""
+    return resolve_mtp_tensors(source, model_config_from_hf(source.hf_config))
+
+
+def _same_tensor(source: CheckpointSource, a: str, b: str, rows_per_chunk: int = 4096) -> bool:
+    if tuple(source.shape(a)) != tuple(source.shape(b)):
+        return False
+    x, y = source.read(a), source.read(b)
+    return all(
+        np.array_equal(x[i : i + rows_per_chunk], y[i : i + rows_per_chunk]) for i in range(0, len(x), rows_per_chunk)
+    )
+
+
+def resolve_mtp_tensors(source: CheckpointSource, cfg: ModelConfig) -> ModelConfig:
+    """A config announcing an MTP layer whose checkpoint has none of its tensors (stripped uploads) has no MTP head.
+    DeepSeek-layout MTP layers may carry their own `embed_tokens` / `shared_head.head`: a copy equal to the trunk's
+    tensor is the shared weight (ignored); a different one stays the MTP layer's own."""
+    if not cfg.has_mtp:
+        return cfg
+    prefix = mtp_prefix(cfg.mtp.layout, cfg.num_layers)
+    names = set(source.tensor_names())
+    if not any(n.startswith(prefix) for n in names):
+        return cfg.replace(mtp=None)
+    if cfg.mtp.layout != "deepseek":
+        return cfg
+    trunk_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    own = {}
+    for flag, copy, trunk in (
+        ("own_embedding", prefix + "embed_tokens.weight", "model.embed_tokens.weight"),
+        ("own_head", prefix + "shared_head.head.weight", trunk_head),
+    ):
+        own[flag] = copy in names and trunk in names and not _same_tensor(source, copy, trunk)
+    return cfg.replace(mtp=dataclasses.replace(cfg.mtp, **own))

@@ -24,7 +24,7 @@ def hf_tensors(model: CausalLM, only_mtp: bool = False) -> dict[str, np.ndarray]
     for name, target in candidate_targets(model.config):
         if target.path not in flat or (only_mtp and target.path[0] != "mtp"):
             continue
-        value = flat[target.path] if target.index is None else flat[target.path][target.index]
+        value = flat[target.path][target.index]
         if isinstance(target.transform, Linear):
             value = value.reshape(target.transform.hf_shape(value.shape)[::-1]).T
         else:
@@ -60,12 +60,50 @@ def hf_config(cfg: ModelConfig) -> dict:
             high_freq_factor=cfg.rope.high_freq_factor,
             original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
         )
-    if cfg.family in ("llama", "qwen3"):
+    if cfg.rope.kind == "yarn":
+        config["rope_parameters"].update(
+            rope_type="yarn",
+            factor=cfg.rope.factor,
+            original_max_position_embeddings=cfg.rope.original_max_position_embeddings,
+            beta_fast=cfg.rope.beta_fast,
+            beta_slow=cfg.rope.beta_slow,
+            truncate=cfg.rope.truncate,
+            attention_factor=cfg.rope.attention_factor,
+            mscale_all_dim=cfg.rope.mscale_all_dim,
+        )
+    if cfg.rope.partial_factor != 1.0:
+        config["rope_parameters"]["partial_rotary_factor"] = cfg.rope.partial_factor
+    if cfg.family in ("llama", "qwen3", "glm4_moe"):
         config["attention_bias"] = cfg.qkv_bias
     if cfg.family == "llama":
         config["mlp_bias"] = cfg.mlp_bias
-    if cfg.has_mtp:
-        config["num_nextn_predict_layers"] = cfg.mtp.num_layers
+    if cfg.family == "glm4_moe":
+        config["use_qk_norm"] = cfg.qk_norm
+    if cfg.mla is not None:
+        m = cfg.mla
+        del config["head_dim"]
+        config.update(
+            q_lora_rank=m.q_lora_rank or None,
+            kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim,
+            rope_interleave=cfg.rope.interleaved,
+        )
+    if cfg.moe is not None:
+        e = cfg.moe
+        config.update(
+            n_routed_experts=e.num_experts,
+            num_experts_per_tok=e.experts_per_token,
+            moe_intermediate_size=e.expert_intermediate_size,
+            n_shared_experts=e.num_shared_experts,
+            n_group=e.num_groups,
+            topk_group=e.topk_groups,
+            routed_scaling_factor=e.routed_scaling_factor,
+            norm_topk_prob=e.norm_topk_prob,
+            first_k_dense_replace=e.first_dense_layers,
+        )
+    config["num_nextn_predict_layers"] = cfg.mtp.num_layers if cfg.has_mtp else 0
     return config
 
 

@@ -6,10 +6,20 @@ forward pass). An unknown key is refused by name instead of silently ignored.
 
 from __future__ import annotations
 
-from checkpoints_convert.errors import ConversionError
-from mtp_jax.config import ModelConfig, MtpConfig, RopeConfig
+import importlib
+import math
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")
+from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.fp8 import block_size
+from mtp_jax.config import ModelConfig, MoeConfig, MtpConfig, RopeConfig
+
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")
+MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # each mapped by its own module, checkpoints_convert/{type}.py
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+REFUSED_MODEL_TYPES = {
+    "deepseek_v32": "deepseek_v32 (DeepSeek-V3.2) is not supported yet: its sparse attention indexer is not "
+    "implemented (DeepSeek-V3, R1 and V3.1 are: model_type deepseek_v3)",
+}
 
 # Keys that never change the forward pass of an inference-only decoder.
 HARMLESS_KEYS = frozenset(
@@ -39,44 +49,103 @@ HANDLED_KEYS = frozenset(
 )  # fmt: skip
 
 
-def _rope(hf: dict) -> RopeConfig:
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_from_hf(hf: dict, *, partial_default: float = 1.0, interleaved: bool = False) -> RopeConfig:
+    """`rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older configs) -> RopeConfig."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     params.update(scaling)
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", partial_default)))
+    common = dict(theta=theta, partial_factor=partial, interleaved=interleaved)
     if kind == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(**common)
     if kind == "llama3":
         return RopeConfig(
-            theta=theta,
+            **common,
             kind="llama3",
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    raise ConversionError(f"rope scaling type {kind!r} is not supported (supported: default, llama3)")
+    if kind == "yarn":
+        original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+        factor = float(params.get("factor") or hf["max_position_embeddings"] / original)
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None and mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        elif attention_factor is None:
+            attention_factor = _yarn_mscale(factor)
+        return RopeConfig(
+            **common,
+            kind="yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(attention_factor),
+            mscale_all_dim=float(mscale_all_dim or 0.0),
+        )
+    raise ConversionError(f"rope scaling type {kind!r} is not supported (supported: default, llama3, yarn)")
 
 
-def _eos_ids(value) -> tuple[int, ...]:
+def moe_from_hf(hf: dict) -> MoeConfig:
+    """The routed-expert fields shared by DeepSeek-V3 and GLM-4.5 configs."""
+    try:
+        return MoeConfig(
+            num_experts=int(hf["n_routed_experts"]),
+            experts_per_token=int(hf["num_experts_per_tok"]),
+            expert_intermediate_size=int(hf["moe_intermediate_size"]),
+            num_shared_experts=int(hf.get("n_shared_experts") or 0),
+            num_groups=int(hf.get("n_group") or 1),
+            topk_groups=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            first_dense_layers=int(hf.get("first_k_dense_replace") or 0),
+        )
+    except KeyError as e:
+        raise ConversionError(f"{hf.get('model_type')} config lacks {e.args[0]}") from None
+    except ValueError as e:
+        raise ConversionError(f"{hf.get('model_type')} config: {e}") from None
+
+
+def check_common(hf: dict, handled: frozenset) -> None:
+    """Refuse fields nobody handles and the settings no family here supports."""
+    family = hf.get("model_type")
+    unknown = sorted(set(hf) - HARMLESS_KEYS - handled)
+    if unknown:
+        raise ConversionError(f"{family} config has fields this converter does not handle: {', '.join(unknown)}")
+    block_size(hf)  # refuses quantization other than block fp8 (whose weights the source dequantizes)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    num_mtp = int(hf.get("num_nextn_predict_layers") or 0)
+    if num_mtp > 1:
+        raise ConversionError(f"num_nextn_predict_layers = {num_mtp}: only one MTP module is supported")
+
+
+def eos_ids_from_hf(value) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The `ModelConfig` of a Hugging Face config dict of a supported dense family."""
+    """The `ModelConfig` of a Hugging Face config dict of a supported family."""
     family = hf.get("model_type")
+    if family in REFUSED_MODEL_TYPES:
+        raise ConversionError(REFUSED_MODEL_TYPES[family])
     if family not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(f"unknown model_type {family!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    unknown = sorted(set(hf) - HARMLESS_KEYS - HANDLED_KEYS)
-    if unknown:
-        raise ConversionError(f"{family} config has fields this converter does not handle: {', '.join(unknown)}")
-    if hf.get("quantization_config"):
-        raise ConversionError(f"quantized checkpoints ({hf['quantization_config']}) are not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConversionError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if family in MOE_MODEL_TYPES:
+        return importlib.import_module(f"checkpoints_convert.{family}").model_config(hf)
+    check_common(hf, HANDLED_KEYS)
     if hf.get("use_sliding_window"):
         raise ConversionError("sliding-window attention (use_sliding_window: true) is not supported")
     other_layers = {t for t in (hf.get("layer_types") or []) if t != "full_attention"}
@@ -86,8 +155,6 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     num_heads = int(hf["num_attention_heads"])
     attention_bias = bool(hf.get("attention_bias", False))
     num_mtp = int(hf.get("num_nextn_predict_layers") or 0)
-    if num_mtp > 1:
-        raise ConversionError(f"num_nextn_predict_layers = {num_mtp}: only one MTP module is supported")
     mtp = MtpConfig(layout="mimo" if family == "mimo" else "deepseek", num_layers=1) if num_mtp else None
     is_qwen2 = family in ("qwen2", "mimo")
     return ModelConfig(
@@ -100,14 +167,14 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope(hf),
+        rope=rope_from_hf(hf),
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        eos_token_ids=eos_ids_from_hf(hf.get("eos_token_id")),
         bos_token_id=hf.get("bos_token_id"),
         mtp=mtp,
     )

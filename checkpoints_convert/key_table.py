@@ -45,7 +45,7 @@ FLAT = Reshape(flat=True)
 @dataclasses.dataclass(frozen=True)
 class Target:
     path: tuple[str, ...]  # parameter path in the model's state
-    index: int | None  # slot on the stacked-layer axis, or None
+    index: tuple[int, ...]  # slot on the leading stacked axes: () whole, (layer,), (layer, expert)
     transform: Linear | Reshape
 
 
@@ -71,6 +71,32 @@ DECODER_LAYER = {
     "mlp.down_proj.bias": (("mlp", "down_bias"), FLAT),
 }
 
+# Multi-head latent attention (DeepSeek); `self_attn.q_proj` (no query LoRA) and `self_attn.o_proj` as above.
+MLA_ATTENTION = {
+    "self_attn.q_a_proj.weight": (("attn", "q_a_proj"), Linear(1)),
+    "self_attn.q_a_layernorm.weight": (("attn", "q_a_norm", "scale"), COPY),
+    "self_attn.q_b_proj.weight": (("attn", "q_b_proj"), Linear(1)),
+    "self_attn.kv_a_proj_with_mqa.weight": (("attn", "kv_a_proj"), Linear(1)),
+    "self_attn.kv_a_layernorm.weight": (("attn", "kv_a_norm", "scale"), COPY),
+    "self_attn.kv_b_proj.weight": (("attn", "kv_b_proj"), Linear(1)),
+}
+
+# A routed-expert MLP (DeepSeek-V3, GLM-4.5): router, correction bias, shared experts.
+MOE_MLP = {
+    "mlp.gate.weight": (("mlp", "router"), Linear(1)),
+    "mlp.gate.e_score_correction_bias": (("mlp", "router_bias"), COPY),
+    "mlp.shared_experts.gate_proj.weight": (("mlp", "shared", "gate_proj"), Linear(1)),
+    "mlp.shared_experts.up_proj.weight": (("mlp", "shared", "up_proj"), Linear(1)),
+    "mlp.shared_experts.down_proj.weight": (("mlp", "shared", "down_proj"), Linear(1)),
+}
+
+# One routed expert, released as per-expert keys `mlp.experts.{e}.` + suffix; it fills slot (layer, e).
+ROUTED_EXPERT = {
+    "gate_proj.weight": (("mlp", "expert_gate"), Linear(1)),
+    "up_proj.weight": (("mlp", "expert_up"), Linear(1)),
+    "down_proj.weight": (("mlp", "expert_down"), Linear(1)),
+}
+
 TRUNK_ROOT = {
     "model.embed_tokens.weight": (("embed",), COPY),
     "model.norm.weight": (("final_norm", "scale"), COPY),
@@ -84,6 +110,9 @@ MTP_FUSION = {
         "hnorm.weight": (("hidden_norm", "scale"), COPY),
         "eh_proj.weight": (("proj",), Linear(1)),
         "shared_head.norm.weight": (("final_norm", "scale"), COPY),
+        # Used only when they differ from the trunk's (MtpConfig.own_embedding / own_head); else ignored below.
+        "embed_tokens.weight": (("embed",), COPY),
+        "shared_head.head.weight": (("head",), Linear(1)),
     },
     "mimo": {
         "token_layernorm.weight": (("token_norm", "scale"), COPY),
@@ -96,8 +125,8 @@ MTP_FUSION = {
 # Tensors some checkpoints carry that this model does not read, with the reason.
 IGNORED_SUFFIXES = {
     "rotary_emb.inv_freq": "recomputed from the config",
-    "shared_head.head.weight": "the MTP head shares the trunk's lm_head",
-    "embed_tokens.weight": "the MTP head shares the trunk's embedding",
+    "shared_head.head.weight": "the MTP layer shares the trunk's lm_head (the copy is identical)",
+    "embed_tokens.weight": "the MTP layer shares the trunk's embedding (the copy is identical)",
 }
 
 

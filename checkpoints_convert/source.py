@@ -143,5 +143,9 @@ def open_source(path: str) -> CheckpointSource:
 
         return GGUFSource(path)
     if os.path.isdir(path):
-        return SafetensorsFolderSource(path)
+        from checkpoints_convert.fp8 import Fp8BlockSource, block_size
+
+        source = SafetensorsFolderSource(path)
+        block = block_size(source.hf_config)
+        return source if block is None else Fp8BlockSource(source, block)
     raise ConversionError(f"{path}: expected a Hugging Face model folder or a .gguf file")

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per configuration (default 3)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, help="time transformers' generate too "
                         "(default: on, off for random shapes)")  # fmt: skip
+    on_off = dict(action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--split", **on_off, help="time each round's draft and verify parts, the roofline and the "
+                        "adaptive round costs (default on)")  # fmt: skip
+    parser.add_argument("--adaptive", **on_off, help="add an adaptive-k row with the largest k, its round costs "
+                        "measured (needs --split; default on)")  # fmt: skip
+    parser.add_argument("--mesh", help="shard ours over every device: data=D,model=M[,expert=E] or auto")
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
     return parser
@@ -76,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
 def load_target(args, notes: list[str]):
     """(model, tokenizer or None, label, peer source path or None)."""
     from mtp_jax import checkpoint
+    from mtp_jax.sharding import make_mesh, shard_model
 
+    try:
+        mesh = make_mesh(args.mesh) if args.mesh else None
+    except ValueError as e:
+        raise UserError(f"--mesh: {e}") from None
     if args.random_shape:
         from flax import nnx
 
@@ -85,11 +96,12 @@ def load_target(args, notes: list[str]):
 
         dtype = args.dtype or checkpoint.default_dtype()
         model = mtp_jax.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
+        model = model if mesh is None else shard_model(model, mesh)
         return model, None, f"random weights, shape {args.random_shape}", None
     from mtp_jax.default_model import default_gguf_path
 
     path = args.model or default_gguf_path()
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh)
     if args.peer is False:
         return model, tokenizer, path, None
     if os.path.isdir(path) and checkpoint.is_converted(path):
@@ -124,6 +136,7 @@ def time_ours(model, ids, lens, cfg, repeats: int) -> tuple[dict, np.ndarray]:
     start = time.perf_counter()
     run = compile_generate(model, ids, lens, key, cfg)
     compile_seconds = time.perf_counter() - start
+    memory = run.memory_bytes()
     walls = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -133,7 +146,8 @@ def time_ours(model, ids, lens, cfg, repeats: int) -> tuple[dict, np.ndarray]:
     summary = summarize(add(None, out.stats), num_draft=cfg.num_draft, generated_tokens=int(np.sum(out.lengths)),
                         wall=wall, compile_seconds=compile_seconds)  # fmt: skip
     del summary["device"], summary["num_draft"]
-    fields = {**summary, "walls": walls, "ms_per_round": 1000 * wall / summary["rounds"] if summary["rounds"] else None}
+    fields = {**summary, "walls": walls, "ms_per_round": 1000 * wall / summary["rounds"] if summary["rounds"] else None,
+              "memory_mb": None if memory is None else memory / 2**20}  # fmt: skip
     return fields, np.asarray(out.tokens)
 
 
@@ -189,7 +203,6 @@ def time_peer(model, prompts, max_new_tokens: int, temperature: float, repeats: 
 
 
 def run(args) -> dict:
-    from mtp_jax.config import DecodeConfig
     from mtp_jax.prompts import bucket, pad_batch
 
     if args.temperature < 0:
@@ -202,6 +215,11 @@ def run(args) -> dict:
         raise UserError("--batch-sizes must be >= 1")
     notes: list[str] = []
     model, tokenizer, label, peer_path = load_target(args, notes)
+    if model.sharding_rules is not None:
+        shards = model.sharding_rules.axis_size("batch")
+        if any(b % shards for b in args.batch_sizes):
+            raise UserError(f"--batch-sizes must be multiples of the mesh's data axis ({shards})")
+        notes.append(f"ours sharded over mesh {dict(model.sharding_rules.mesh.shape)}")
     drafts = sorted({0, *args.num_draft})
     if not model.config.has_mtp and drafts != [0]:
         drafts = [0]
@@ -209,16 +227,12 @@ def run(args) -> dict:
     prompts = read_prompts(args, model, tokenizer)
     dtype = np.dtype(model.dtype).name
     peer = load_peer(peer_path, dtype) if peer_path else None
+    bandwidth = measured_bandwidth() if args.split else None
     rows = []
     for batch_size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
         ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))  # [B, W], [B]
-        results = []
-        for k in drafts:
-            cfg = DecodeConfig(num_draft=k, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               stop_on_eos=False)  # fmt: skip
-            fields, tokens = time_ours(model, ids, lens, cfg, args.repeats)
-            results.append(({"impl": "mtp_jax", "batch": batch_size, "k": k, **fields}, tokens))
+        results = time_batch(args, model, ids, lens, drafts, bandwidth)
         if peer is not None:
             fields, tokens = time_peer(peer, batch, args.max_new_tokens, args.temperature, args.repeats)
             results.append(({"impl": "transformers", "batch": batch_size, "k": 0, **fields}, tokens))
@@ -226,6 +240,8 @@ def run(args) -> dict:
         peer_speed = results[-1][0]["tokens_per_second"] if peer is not None else None
         for row, tokens in results:
             row["speedup_vs_plain"] = row["tokens_per_second"] / plain["tokens_per_second"]
+            row["verify_over_plain"] = ratio(row.get("verify_ms"), plain.get("round_ms"))
+            row["draft_step_over_plain"] = ratio(row.get("draft_ms"), plain.get("round_ms"), row["k"])
             row["ours_over_peer"] = row["tokens_per_second"] / peer_speed if peer_speed else None
             compared = row is not plain and args.temperature == 0
             row["same_tokens"] = bool(np.array_equal(tokens, plain_tokens)) if compared else None
@@ -234,7 +250,53 @@ def run(args) -> dict:
         notes.append(f"transformers ran with the {rows[-1]['cache']} cache")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    return {"meta": metadata(args, label, dtype, notes), "rows": rows}
+    meta = metadata(args, label, dtype, notes)
+    meta["copy_bandwidth_gb_s"] = None if bandwidth is None else bandwidth / 1e9
+    return {"meta": meta, "rows": rows}
+
+
+def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None) -> list[tuple[dict, np.ndarray]]:
+    """Our rows for one padded batch: k in `drafts`, then the adaptive loop; with --split, each with its round's
+    parts and the plain rows with their roofline fraction."""
+    from mtp_jax.config import DecodeConfig
+    from mtp_jax.round_timing import RoundTimer, plain_step_bytes
+    from mtp_jax.speculative import cache_slots
+
+    timer = RoundTimer(model, ids, lens, args.max_new_tokens) if args.split else None
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False)
+    results = []
+    for k in drafts:
+        cfg = DecodeConfig(num_draft=k, **settings)
+        fields, tokens = time_ours(model, ids, lens, cfg, args.repeats)
+        row = {"impl": "mtp_jax", "batch": len(ids), "k": k, **fields}
+        if timer is not None:
+            row.update(timer.split(k))
+        if timer is not None and k == 0:
+            step_bytes = plain_step_bytes(model, len(ids), cache_slots(ids.shape[1], cfg))
+            row["bytes_per_step"] = step_bytes
+            row["roofline_fraction"] = step_bytes / (row["ms_per_round"] / 1000) / bandwidth
+        results.append((row, tokens))
+    if timer is not None and args.adaptive and max(drafts) > 0:
+        costs = timer.adaptive_costs(max(drafts), results[0][0]["round_ms"])
+        cfg = DecodeConfig(num_draft=max(drafts), adaptive=True, round_costs=costs, **settings)
+        fields, tokens = time_ours(model, ids, lens, cfg, args.repeats)
+        results.append(({"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), **fields,
+                         "round_costs": list(costs)}, tokens))  # fmt: skip
+    return results
+
+
+def measured_bandwidth() -> float:
+    """Copy bandwidth of the first device, bytes/s (256 MiB on a CPU, 1 GiB on an accelerator)."""
+    import jax
+
+    from mtp_jax.round_timing import copy_bandwidth
+
+    return copy_bandwidth(2**28 if jax.devices()[0].platform == "cpu" else 2**30)
+
+
+def ratio(part: float | None, whole: float | None, steps: int = 1) -> float | None:
+    """part / steps / whole, or None when a side was not measured (or there are no steps)."""
+    return None if part is None or not whole or not steps else part / steps / whole
 
 
 def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
@@ -281,20 +343,32 @@ def markdown(result: dict) -> str:
         f"- model: {meta['model']} ({meta['dtype']}); prompts: {meta['prompts']}; {meta['max_new_tokens']} new tokens "
         f"per row; temperature {meta['temperature']}; median of {meta['repeats']} runs",
         *(f"- note: {note}" for note in meta["notes"]),
+    ]
+    if meta.get("copy_bandwidth_gb_s"):
+        lines.append(f"- measured copy bandwidth: {meta['copy_bandwidth_gb_s']:.1f} GB/s (roofline = bytes a plain "
+                     "step reads / ms per round, over it)")  # fmt: skip
+    lines += [
         "",
-        "| impl | batch | k | tokens/s | ms/round | mean accepted len | accept/pos | speedup vs plain "
-        "| ours/transformers | same tokens | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| impl | batch | k | tokens/s | ms/round | draft ms | verify ms | verify/plain | draft step/plain "
+        "| mean accepted len | accept/pos | speedup vs plain | ours/transformers | same tokens | roofline "
+        "| memory MB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     number = lambda value, form: "-" if value is None else format(value, form)
     for r in result["rows"]:
         impl = r["impl"] + (f" ({r['cache']} cache)" if "cache" in r else "")
         per_pos = ", ".join(f"{p:.2f}" for p in r["acceptance_per_position"]) or "-"
         same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
+        if "round_costs" in r:
+            used = "/".join(str(n) for n in r["rounds_by_num_draft"])
+            per_pos += f"; rounds with 0..{r['k']} drafts: {used}"
         lines.append(
             f"| {impl} | {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | {number(r['ms_per_round'], '.1f')} "
+            f"| {number(r.get('draft_ms'), '.2f')} | {number(r.get('verify_ms'), '.2f')} "
+            f"| {number(r.get('verify_over_plain'), '.2f')} | {number(r.get('draft_step_over_plain'), '.2f')} "
             f"| {r['mean_accepted_length']:.2f} | {per_pos} | {r['speedup_vs_plain']:.2f}x "
-            f"| {number(r['ours_over_peer'], '.2f')} | {same} | {number(r['compile_seconds'], '.1f')} |"
+            f"| {number(r['ours_over_peer'], '.2f')} | {same} | {number(r.get('roofline_fraction'), '.0%')} "
+            f"| {number(r.get('memory_mb'), '.0f')} | {number(r['compile_seconds'], '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -7,9 +7,11 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.sharding import ShardingRules, place, rules_for
 
 
 def default_dtype():
@@ -24,28 +26,40 @@ def is_converted(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
-def assemble(cfg: ModelConfig, params: dict, dtype) -> CausalLM:
-    """A `CausalLM` whose parameters are `params` (nested dict of arrays in the model's state layout)."""
+def assemble(cfg: ModelConfig, params: dict, dtype, rules: ShardingRules | None = None) -> CausalLM:
+    """A `CausalLM` whose parameters are `params` (nested dict of arrays in the model's state layout); `rules`: the
+    sharding rules they were placed with, kept on the model so `generate` lays out caches and activations to match."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype)))
     nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    model.sharding_rules = rules
+    return model
 
 
-def _restore_converted(path: str, dtype) -> CausalLM:
+def _restore_converted(path: str, dtype, rules: ShardingRules | None) -> CausalLM:
+    """Orbax restores every parameter straight into its target sharding (or onto the default device)."""
     import orbax.checkpoint as ocp
 
     from checkpoints_convert.convert import PARAMS_DIR, abstract_params, nest
 
     with open(os.path.join(path, CONFIG_FILE)) as f:
         cfg = ModelConfig.from_json(f.read())
-    target = nest({p: jax.ShapeDtypeStruct(s.shape, dtype) for p, s in abstract_params(cfg, dtype).items()})
+
+    def target(param_path, spec):
+        sharding = None if rules is None else rules.param_sharding(param_path, spec.shape)
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+
+    targets = nest({p: target(p, s) for p, s in abstract_params(cfg, dtype).items()})
     with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), target)
-    return assemble(cfg, params, dtype)
+        params = checkpointer.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), targets)
+    return assemble(cfg, params, dtype, rules)
 
 
-def load(path: str | None = None, *, dtype=None, mesh=None, head: str | None = None):
+def load(path: str | None = None, *, dtype=None, mesh: Mesh | ShardingRules | None = None, head: str | None = None):
     """(model, tokenizer or None) for `path`; None means the default model.
+
+    `mesh`: a `jax.sharding.Mesh` (default rules of `mtp_jax.sharding`) or `ShardingRules`; every parameter is then
+    placed directly into its sharding, and each process reads only the parts of the tensors its devices hold.
 
     `head`: a head folder written by `python -m mtp_jax.train_head`; by default the shipped head of the default
     model, or an `mtp_head/` folder inside the model folder, is attached when present.
@@ -58,8 +72,7 @@ def load(path: str | None = None, *, dtype=None, mesh=None, head: str | None = N
 
 
 def _load_trunk(path, *, dtype, mesh):
-    if mesh is not None:
-        raise NotImplementedError("loading onto a mesh is not supported yet; load without `mesh`")
+    rules = rules_for(mesh)
     dtype = jnp.dtype(dtype or default_dtype())
     if path is None:
         from mtp_jax.default_model import default_gguf_path
@@ -71,16 +84,29 @@ def _load_trunk(path, *, dtype, mesh):
         tokenizer = None
         if any(f.startswith("tokenizer") for f in os.listdir(path)):
             tokenizer = AutoTokenizer.from_pretrained(path)
-        return _restore_converted(path, dtype), tokenizer
-    from checkpoints_convert.convert import config_of, convert_params, nest
+        return _restore_converted(path, dtype, rules), tokenizer
+    from checkpoints_convert.convert import config_of, nest
     from checkpoints_convert.source import open_source
 
     source = open_source(path)
     cfg = config_of(source)
-    flat, _ = convert_params(source, cfg, dtype, place=lambda _, a: jnp.asarray(a))
-    return assemble(cfg, nest(flat), dtype), source.load_tokenizer()
+    return assemble(cfg, nest(read_params(source, cfg, dtype, rules)), dtype, rules), source.load_tokenizer()
 
 
-def load_model(path: str | None = None, *, dtype=None, mesh=None, head: str | None = None) -> CausalLM:
-    """The model at `path` (converted folder, Hugging Face folder or .gguf); None means the default model."""
+def read_params(source, cfg: ModelConfig, dtype, rules: ShardingRules | None, only_mtp: bool = False) -> dict:
+    """Every parameter of a checkpoint source, by path, one at a time: on the default device without `rules`;
+    with them, each process reads only the blocks its devices hold and places them straight into their sharding."""
+    from checkpoints_convert.convert import param_readers
+
+    readers, _ = param_readers(source, cfg, dtype, only_mtp)
+    if rules is None:
+        return {p: jnp.asarray(r.read()) for p, r in readers.items()}
+    return {p: place(r.shape, rules.param_sharding(p, r.shape), r.read_blocks) for p, r in readers.items()}
+
+
+def load_model(
+    path: str | None = None, *, dtype=None, mesh: Mesh | ShardingRules | None = None, head: str | None = None
+) -> CausalLM:
+    """The model at `path` (converted folder, Hugging Face folder or .gguf); None means the default model.
+    `mesh`: place it on a `jax.sharding.Mesh` (or by `mtp_jax.sharding.ShardingRules`), as `load` does."""
     return load(path, dtype=dtype, mesh=mesh, head=head)[0]

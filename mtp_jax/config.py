@@ -15,14 +15,106 @@ MtpLayout = Literal["deepseek", "mimo"]
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding parameters. `kind` is "default" (plain theta) or "llama3" (frequency-band scaling)."""
+    """Rotary embedding parameters.
+
+    kind: "default" (plain theta), "llama3" (frequency-band scaling) or "yarn" (NTK-by-parts interpolation between
+        `factor`-scaled and unscaled frequencies, ramped over `beta_fast`..`beta_slow` rotations).
+    attention_factor: cos and sin are multiplied by it (yarn's mscale ratio; 1 otherwise).
+    mscale_all_dim: yarn models with MLA also scale the softmax by (0.1 * mscale_all_dim * ln(factor) + 1)^2
+        (DeepSeek); 0 leaves the softmax scale alone.
+    partial_factor: the fraction of each head's dims that rotate, the leading ones (GLM: 0.5).
+    interleaved: rotary pairs are adjacent dims (x0, x1), (x2, x3), ... (DeepSeek) instead of the two halves.
+    """
 
     theta: float = 10000.0
-    kind: Literal["default", "llama3"] = "default"
+    kind: Literal["default", "llama3", "yarn"] = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0
+    partial_factor: float = 1.0
+    interleaved: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values are up-projected from a per-token latent of
+    `kv_lora_rank` dims, which (with the shared rotary key of `qk_rope_head_dim` dims) is all the cache holds.
+
+    q_lora_rank: rank of the query's low-rank path (q_a_proj -> norm -> q_b_proj); 0 means a plain q_proj.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached dims per token and layer: the latent plus the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts (DeepSeek-V3 / GLM-4.5 style) replacing the dense MLP from layer `first_dense_layers` on.
+
+    Routing: sigmoid scores; the correction bias is added for selection only; experts are picked among the
+    `topk_groups` best of `num_groups` groups (a group scores the sum of its two best experts); the picked scores,
+    normalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`, weight the expert outputs.
+    `num_shared_experts` shared experts (one SwiGLU of width num_shared_experts * expert_intermediate_size) see
+    every token.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 0
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_dense_layers: int = 0
+
+    def __post_init__(self):
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"n_routed_experts ({self.num_experts}) must be a multiple of n_group ({self.num_groups})")
+        if self.num_experts // self.num_groups < 2:
+            raise ValueError("each expert group needs at least 2 experts (a group scores its two best)")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_group ({self.topk_groups}) must be in 1..n_group ({self.num_groups})")
+        if not 1 <= self.experts_per_token <= self.topk_groups * (self.num_experts // self.num_groups):
+            raise ValueError(
+                f"num_experts_per_tok ({self.experts_per_token}) must be in 1..{self.topk_groups} groups x "
+                f"{self.num_experts // self.num_groups} experts"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What one decoder layer is made of: its attention and its MLP."""
+
+    attention: Literal["gqa", "mla"] = "gqa"
+    mlp: Literal["dense", "moe"] = "dense"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of `count` consecutive layers of one kind, from checkpoint layer `start`: one scanned stack."""
+
+    kind: LayerKind
+    start: int
+    count: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +129,16 @@ class MtpConfig:
             it (False).
     draft_vocab_size: drafts use the first `draft_vocab_size` ids of `draft_vocab` (a frequency-ranked subset
             stored with the head); 0 means the full vocabulary.
+    own_embedding / own_head: the MTP layer has its own embedding / output head (the checkpoint's copies differ
+            from the trunk's); by default it shares the trunk's.
     """
 
     layout: MtpLayout = "deepseek"
     num_layers: int = 1
     recurse_normed: bool = False
     draft_vocab_size: int = 0
+    own_embedding: bool = False
+    own_head: bool = False
 
     @property
     def concat_hidden_first(self) -> bool:
@@ -51,7 +147,11 @@ class MtpConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and math switches of a dense decoder trunk (+ optional MTP head)."""
+    """Shape and math switches of a decoder trunk (+ optional MTP head).
+
+    Attention is grouped-query unless `mla` is set; MLPs are dense SwiGLUs unless `moe` is set, in which case layers
+    from `moe.first_dense_layers` on are routed-expert layers. `segments()` groups the layers into runs of one kind.
+    """
 
     family: str
     vocab_size: int
@@ -72,6 +172,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     mtp: MtpConfig | None = None
+    mla: MlaConfig | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -79,6 +181,38 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.rope.interleaved and self.mla is None:
+            raise ValueError("interleaved rotary is only supported with multi-head latent attention")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"the rotary dims per head ({self.rotary_dim}) must be even and at least 2")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims per head that rotate: MLA's rotary key dims, else the leading `partial_factor` of the head."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.rope.partial_factor)
+
+    def layer_kind(self, index: int) -> LayerKind:
+        """The kind of trunk layer `index` (index `num_layers` and beyond: the MTP layers, always MoE when the
+        model has experts)."""
+        moe = self.moe is not None and index >= min(self.moe.first_dense_layers, self.num_layers)
+        return LayerKind(attention="gqa" if self.mla is None else "mla", mlp="moe" if moe else "dense")
+
+    @property
+    def mtp_layer_kind(self) -> LayerKind:
+        return self.layer_kind(self.num_layers)
+
+    def segments(self) -> tuple[Segment, ...]:
+        """The trunk's layers as runs of one kind, in order."""
+        segments: list[Segment] = []
+        for i in range(self.num_layers):
+            kind = self.layer_kind(i)
+            if segments and segments[-1].kind == kind:
+                segments[-1] = dataclasses.replace(segments[-1], count=segments[-1].count + 1)
+            else:
+                segments.append(Segment(kind, i, 1))
+        return tuple(segments)
 
     @property
     def has_mtp(self) -> bool:
@@ -95,6 +229,8 @@ class ModelConfig:
         raw = json.loads(text)
         raw["rope"] = RopeConfig(**raw["rope"])
         raw["mtp"] = MtpConfig(**raw["mtp"]) if raw.get("mtp") else None
+        raw["mla"] = MlaConfig(**raw["mla"]) if raw.get("mla") else None
+        raw["moe"] = MoeConfig(**raw["moe"]) if raw.get("moe") else None
         raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
         return cls(**raw)
 
@@ -107,6 +243,10 @@ class DecodeConfig:
     max_new_tokens: per-row budget of generated tokens.
     temperature / top_k / top_p: defaults for every row; per-row arrays passed to `generate` override them.
     stop_on_eos: stop a row at the model's EOS ids (a checkpoint without one decodes to max_new_tokens).
+    adaptive: each round drafts j <= num_draft tokens, j chosen on device from running acceptance and
+      `round_costs` (mtp_jax.adaptive); num_draft is then the most a round may draft.
+    round_costs: time of a round with j = 0..num_draft drafts over a plain round (measured, e.g. by
+      `python -m mtp_jax.bench`); None estimates them from parameter bytes (right for memory-bound devices).
     """
 
     num_draft: int = 3
@@ -115,6 +255,8 @@ class DecodeConfig:
     top_k: int = 0
     top_p: float = 1.0
     stop_on_eos: bool = True
+    adaptive: bool = False
+    round_costs: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.num_draft < 0:
@@ -127,3 +269,7 @@ class DecodeConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.round_costs is not None:
+            from mtp_jax.adaptive import validate_round_costs
+
+            validate_round_costs(tuple(self.round_costs), self.num_draft)

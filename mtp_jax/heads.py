@@ -65,10 +65,11 @@ def save_head(model: CausalLM, folder: str) -> None:
 
 def attach_head(model: CausalLM, folder: str) -> CausalLM:
     """A new model: `model`'s trunk with the head saved in `folder` (replacing any head it had)."""
-    from checkpoints_convert.convert import abstract_params, convert_params, nest
+    from checkpoints_convert.convert import abstract_params, nest
     from checkpoints_convert.errors import ConversionError
     from checkpoints_convert.source import SafetensorsFile
-    from mtp_jax.checkpoint import assemble
+    from mtp_jax.checkpoint import assemble, read_params
+    from mtp_jax.sharding import place_host_array
 
     try:
         with open(os.path.join(folder, HEAD_CONFIG)) as f:
@@ -83,17 +84,20 @@ def attach_head(model: CausalLM, folder: str) -> CausalLM:
     cfg = model.config.replace(mtp=MtpConfig(**meta["mtp"]))
     dtype = model.dtype
     source = _HeadSource(head, cfg)
-    head_params, _ = convert_params(source, cfg, dtype, place=lambda _, a: jnp.asarray(a), only_mtp=True)
+    rules = model.sharding_rules  # a model on a mesh gets its head placed beside it, shard by shard
+    head_params = read_params(source, cfg, dtype, rules, only_mtp=True)
     trunk = {tuple(str(p) for p in path): v[...] for path, v in nnx.to_flat_state(nnx.state(model))}
     flat = {}
     for path in abstract_params(cfg, dtype):
         if path[0] == "mtp":
             flat[path] = head_params[path]
         elif path == ("draft_vocab",):
-            flat[path] = jnp.asarray(head.read(DRAFT_VOCAB_KEY))
+            ids = np.asarray(head.read(DRAFT_VOCAB_KEY))  # [Vd]
+            on_mesh = rules is not None
+            flat[path] = place_host_array(ids, rules.param_sharding(path, ids.shape)) if on_mesh else jnp.asarray(ids)
         else:
             flat[path] = trunk[path]
-    return assemble(cfg, nest(flat), dtype)
+    return assemble(cfg, nest(flat), dtype, rules)
 
 
 class _HeadSource:

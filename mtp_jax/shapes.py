@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mtp_jax.config import ModelConfig, MtpConfig, RopeConfig
+from mtp_jax.config import MlaConfig, ModelConfig, MoeConfig, MtpConfig, RopeConfig
 
 
 def tiny() -> ModelConfig:
@@ -67,8 +67,80 @@ def mimo_7b() -> ModelConfig:
     )
 
 
+def deepseek_v3_tiny() -> ModelConfig:
+    """Test size (configs/tiny/deepseek_v3.json): 3 layers (1 dense, 2 with 16 routed experts, top-4 of 2 groups
+    of the 4), MLA with query LoRA, yarn rotary, a DeepSeek MTP layer with experts."""
+    return ModelConfig(
+        family="deepseek_v3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=24,
+        rope=RopeConfig(
+            kind="yarn", factor=4.0, original_max_position_embeddings=128, mscale_all_dim=1.0, interleaved=True
+        ),
+        max_position_embeddings=512,
+        eos_token_ids=(2,),
+        bos_token_id=1,
+        mtp=MtpConfig(layout="deepseek"),
+        mla=MlaConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48),
+        moe=MoeConfig(
+            num_experts=16,
+            experts_per_token=4,
+            expert_intermediate_size=32,
+            num_shared_experts=1,
+            num_groups=4,
+            topk_groups=2,
+            routed_scaling_factor=2.5,
+            first_dense_layers=1,
+        ),
+    )
+
+
+def deepseek_v3_slice() -> ModelConfig:
+    """DeepSeek-V3 at real width, 2 layers deep (the first dense, the second with all 256 routed experts) plus its
+    MTP layer (256 experts too): about 25B parameters, 50 GB in bfloat16 — for an 80 GB accelerator."""
+    return ModelConfig(
+        family="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_layers=2,
+        num_heads=128,
+        num_kv_heads=128,
+        head_dim=192,
+        rope=RopeConfig(
+            kind="yarn",
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            mscale_all_dim=1.0,
+            interleaved=True,
+        ),
+        max_position_embeddings=163840,
+        eos_token_ids=(1,),
+        bos_token_id=0,
+        mtp=MtpConfig(layout="deepseek"),
+        mla=MlaConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536),
+        moe=MoeConfig(
+            num_experts=256,
+            experts_per_token=8,
+            expert_intermediate_size=2048,
+            num_shared_experts=1,
+            num_groups=8,
+            topk_groups=4,
+            routed_scaling_factor=2.5,
+            first_dense_layers=1,
+        ),
+    )
+
+
 SHAPES: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "smollm2-135m": smollm2_135m,
     "mimo-7b": mimo_7b,
+    "deepseek-v3-tiny": deepseek_v3_tiny,
+    "deepseek-v3-slice": deepseek_v3_slice,
 }

@@ -13,6 +13,9 @@ One round (k = num_draft):
   4. Accept a drafts plus one token from the target; clip at EOS and at max_new_tokens.
   5. The verify hiddens and accepted tokens become the next MTP block; n advances by a + 1.
 k = 0 skips 1-2 and is plain decoding through the same code.
+Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and switches between them on device
+(mtp_jax.adaptive picks j); a round with j = 0 still runs step 1, to keep the MTP cache and the acceptance
+estimate current.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from mtp_jax.adaptive import AcceptanceTracker, choose_num_draft, estimated_round_costs, step_param_bytes
 from mtp_jax.cache import KVCache
 from mtp_jax.config import DecodeConfig
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
+from mtp_jax.sharding import activate, constrain
 
 
 @struct.dataclass
@@ -40,6 +45,7 @@ class DecodeStats:
     accepted: jax.Array  # [] drafts accepted
     reached: jax.Array  # [k] row-rounds in which draft i was judged (all earlier drafts accepted)
     accepted_at: jax.Array  # [k] row-rounds in which draft i was accepted
+    rounds_with: jax.Array  # [k+1] loop iterations that drafted j = 0..k tokens
 
 
 @struct.dataclass
@@ -66,6 +72,7 @@ class LoopState:
     mtp_count: jax.Array | None  # [B]
     row_keys: jax.Array  # [B] one random stream per row
     stats: DecodeStats
+    tracker: AcceptanceTracker | None  # adaptive decoding only
 
 
 def _row_keys(row_keys: jax.Array, round_index: jax.Array, purpose: int) -> jax.Array:
@@ -79,11 +86,12 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 class _Round:
-    """The pieces of one round, closed over the model and static settings."""
+    """One round with `num_draft` = j drafts (j <= cfg.num_draft, the width of the state's MTP block)."""
 
-    def __init__(self, model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array):
+    def __init__(self, model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array,
+                 num_draft: int):  # fmt: skip
         self.model, self.cfg, self.sampling, self.eos = model, cfg, sampling, eos
-        self.k = cfg.num_draft
+        self.k, self.max_k = num_draft, cfg.num_draft
 
     def choose(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """Pick ids [B, ...] from float32 logits [B, ..., V]; also return the distribution when sampling."""
@@ -93,9 +101,9 @@ class _Round:
         return jax.vmap(sample)(keys, probs), probs
 
     def draft(self, s: LoopState) -> tuple[jax.Array, jax.Array | None, KVCache]:
-        """k drafts [B, k] (and their draft-vocabulary probabilities [B, k, V] when sampling)."""
-        model, k = self.model, self.k
-        slots = jnp.arange(k + 1)
+        """max(j, 1) drafts [B, .] (and their full-vocabulary probabilities [B, ., V] when sampling)."""
+        model = self.model
+        slots = jnp.arange(self.max_k + 1)
         hidden, normed, mtp_cache = model.mtp_step(
             s.mtp_hidden, s.mtp_tokens, s.mtp_start[:, None] + slots, s.mtp_cache
         )
@@ -103,14 +111,14 @@ class _Round:
         hidden, normed = _gather_rows(hidden, last), _gather_rows(normed, last)  # [B, D]
         position = s.position  # the next draft step's slot (the first sat at position - 1)
         drafts, dists = [], []
-        for i in range(k):
+        for i in range(max(self.k, 1)):
             keys = _row_keys(s.row_keys, s.stats.rounds, 10 + i)
             index, probs = self.choose(model.draft_logits(normed), keys)
             token = model.draft_ids(index)
             drafts.append(token)
             if probs is not None:
                 dists.append(self.scatter_draft_probs(probs))
-            if i + 1 < k:
+            if i + 1 < self.k:
                 hidden, normed, mtp_cache = model.mtp_step(
                     hidden[:, None], token[:, None], (position + i)[:, None], mtp_cache
                 )
@@ -126,34 +134,38 @@ class _Round:
         return full.at[:, self.model.draft_vocab[...]].set(probs)
 
     def verify(self, s, drafts, draft_probs, cache):
-        """Trunk over [pending, drafts]: (accepted count [B], next token [B], hiddens [B, k+1, D], cache)."""
-        inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, k+1]
+        """Trunk over [pending, drafts]: (accepted count [B], next token [B], hiddens [B, j+1, D], cache,
+        target probabilities [B, j+1, V] or None when greedy)."""
+        inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, j+1]
         positions = s.position[:, None] + jnp.arange(self.k + 1)
         hidden, cache = self.model.trunk(inputs, positions, cache)
-        logits = self.model.logits(hidden)  # [B, k+1, V]
+        logits = self.model.logits(hidden)  # [B, j+1, V]
         if self.sampling is None:
             accepted, token = greedy_accept(drafts, logits)
+            return accepted, token, hidden, cache, None
+        target_probs = probabilities(logits, self.sampling)
+        keys = _row_keys(s.row_keys, s.stats.rounds, 1)
+        if self.k == 0:
+            accepted, token = jnp.zeros_like(s.pending), jax.vmap(sample)(keys, target_probs[:, 0])
         else:
-            target_probs = probabilities(logits, self.sampling)
-            keys = _row_keys(s.row_keys, s.stats.rounds, 1)
-            if self.k == 0:
-                accepted, token = jnp.zeros_like(s.pending), jax.vmap(sample)(keys, target_probs[:, 0])
-            else:
-                accepted, token = jax.vmap(rejection_accept)(keys, drafts, draft_probs, target_probs)
-        return accepted, token, hidden, cache
+            accepted, token = jax.vmap(rejection_accept)(keys, drafts, draft_probs, target_probs)
+        return accepted, token, hidden, cache, target_probs
 
     def __call__(self, s: LoopState) -> LoopState:
-        k, cfg = self.k, self.cfg
+        k, max_k, cfg = self.k, self.max_k, self.cfg
         active = ~s.done
-        if k > 0:
+        batch = s.pending.shape[0]
+        if max_k > 0:
             drafts, draft_probs, mtp_cache = self.draft(s)
+            guess, guess_probs = drafts[:, 0], None if draft_probs is None else draft_probs[:, 0]
+            drafts, draft_probs = drafts[:, :k], None if draft_probs is None else draft_probs[:, :k]
         else:
-            drafts, draft_probs, mtp_cache = jnp.zeros((s.pending.shape[0], 0), jnp.int32), None, None
-        accepted, token, hidden, cache = self.verify(s, drafts, draft_probs, s.cache)
+            drafts, draft_probs, mtp_cache = jnp.zeros((batch, 0), jnp.int32), None, None
+        accepted, token, hidden, cache, target_probs = self.verify(s, drafts, draft_probs, s.cache)
 
         # Tokens this round emits: d_1..d_a then the target's token; clipped at EOS and at the budget.
         slot = jnp.arange(k + 1)
-        padded = jnp.concatenate([drafts, jnp.zeros((drafts.shape[0], 1), jnp.int32)], axis=1)  # [B, k+1]
+        padded = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)  # [B, j+1]
         emitted = jnp.where(slot < accepted[:, None], padded, token[:, None])  # valid for slot <= a
         if self.eos.size:
             is_eos = jnp.isin(emitted, self.eos) & (slot <= accepted[:, None])
@@ -163,21 +175,23 @@ class _Round:
         count = jnp.where(hit_eos, eos_index + 1, accepted + 1)
         count = jnp.where(active, jnp.minimum(count, cfg.max_new_tokens - s.num_generated), 0)
         write_at = jnp.where(slot < count[:, None], s.num_generated[:, None] + slot, s.tokens.shape[1])
-        tokens = s.tokens.at[jnp.arange(emitted.shape[0])[:, None], write_at].set(emitted, mode="drop")
+        tokens = s.tokens.at[jnp.arange(batch)[:, None], write_at].set(emitted, mode="drop")
         num_generated = s.num_generated + count
         eos_now = active & hit_eos & (eos_index < count)
         done = s.done | eos_now | (num_generated >= cfg.max_new_tokens)
 
-        a_active = jnp.where(active, accepted, 0)
-        depth = jnp.arange(k)
+        depth = jnp.arange(max_k)
+        judged = active[:, None] & (accepted[:, None] >= depth) & (depth < k)  # [B, max_k]
+        passed = active[:, None] & (accepted[:, None] > depth)  # [B, max_k]
         stats = DecodeStats(
             rounds=s.stats.rounds + 1,
             row_rounds=s.stats.row_rounds + jnp.sum(active),
             emitted=s.stats.emitted + jnp.sum(jnp.where(active, accepted + 1, 0)),
             drafted=s.stats.drafted + k * jnp.sum(active),
-            accepted=s.stats.accepted + jnp.sum(a_active),
-            reached=s.stats.reached + jnp.sum(active[:, None] & (accepted[:, None] >= depth), axis=0),
-            accepted_at=s.stats.accepted_at + jnp.sum(active[:, None] & (accepted[:, None] > depth), axis=0),
+            accepted=s.stats.accepted + jnp.sum(jnp.where(active, accepted, 0)),
+            reached=s.stats.reached + jnp.sum(judged, axis=0),
+            accepted_at=s.stats.accepted_at + jnp.sum(passed, axis=0),
+            rounds_with=s.stats.rounds_with.at[k].add(1),
         )
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
         state = s.replace(
@@ -190,15 +204,41 @@ class _Round:
             cache=cache,
             stats=stats,
         )
-        if k > 0:
+        if max_k > 0:
+            widen = lambda x: jnp.pad(x, [(0, 0), (0, max_k - k)] + [(0, 0)] * (x.ndim - 2))  # [B, j+1] -> [B, k+1]
             state = state.replace(
                 mtp_cache=mtp_cache,
-                mtp_hidden=keep(hidden, s.mtp_hidden),
-                mtp_tokens=keep(emitted, s.mtp_tokens),
+                mtp_hidden=keep(widen(hidden), s.mtp_hidden),
+                mtp_tokens=keep(widen(emitted), s.mtp_tokens),
                 mtp_start=keep(s.position, s.mtp_start),
                 mtp_count=keep(accepted + 1, s.mtp_count),
             )
+        if s.tracker is not None:
+            if k == 0:  # no draft was judged: score the first draft against the target's token instead
+                if target_probs is None:
+                    agreement = (guess == token).astype(jnp.float32)
+                else:  # the probability that rejection sampling would have accepted it
+                    agreement = jnp.sum(jnp.minimum(target_probs[:, 0], guess_probs), axis=-1)
+                hits = jnp.zeros((max_k,)).at[0].set(jnp.sum(jnp.where(active, agreement, 0.0)))
+                trials = jnp.zeros((max_k,)).at[0].set(jnp.sum(active))
+            else:
+                hits, trials = jnp.sum(passed, axis=0), jnp.sum(judged, axis=0)
+            state = state.replace(tracker=s.tracker.update(hits.astype(jnp.float32), trials.astype(jnp.float32)))
         return state
+
+
+def _round_body(model, cfg: DecodeConfig, sampling, eos):
+    """The while-loop body: a round with cfg.num_draft drafts, or, adaptive, with the j the policy picks."""
+    if not cfg.adaptive or cfg.num_draft == 0:
+        return _Round(model, cfg, sampling, eos, cfg.num_draft)
+    rounds = [_Round(model, cfg, sampling, eos, j) for j in range(cfg.num_draft + 1)]
+    costs = jnp.asarray(cfg.round_costs or _estimated_costs(model, cfg.num_draft), jnp.float32)
+    return lambda s: jax.lax.switch(choose_num_draft(s.tracker, costs), rounds, s)
+
+
+def _estimated_costs(model: CausalLM, max_draft: int) -> tuple[float, ...]:
+    trunk_bytes, draft_bytes = step_param_bytes(model)
+    return estimated_round_costs(trunk_bytes, draft_bytes, max_draft)
 
 
 def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots) -> LoopState:
@@ -226,6 +266,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
         accepted=jnp.int32(0),
         reached=jnp.zeros((k,), jnp.int32),
         accepted_at=jnp.zeros((k,), jnp.int32),
+        rounds_with=jnp.zeros((k + 1,), jnp.int32),
     )
     state = LoopState(
         tokens=tokens,
@@ -242,6 +283,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
         mtp_count=None,
         row_keys=row_keys,
         stats=stats,
+        tracker=AcceptanceTracker.start(k) if cfg.adaptive and k > 0 else None,
     )
     if k == 0:
         return state
@@ -269,25 +311,35 @@ def cache_slots(prompt_width: int, cfg: DecodeConfig) -> int:
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"))
 def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):
     model: CausalLM = nnx.merge(graphdef, params)
-    batch, prompt_width = prompt_ids.shape
-    eos = jnp.asarray(model.config.eos_token_ids if cfg.stop_on_eos else (), jnp.int32).reshape(-1)
-    sampling = None if greedy else sampling
-    row_keys = jax.random.split(key, batch) if key.ndim == 0 else key
-    state = _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, cache_slots(prompt_width, cfg))
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), _Round(model, cfg, sampling, eos), state)
-    valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
-    return GenerateOutput(
-        tokens=jnp.where(valid, state.tokens[:, : cfg.max_new_tokens], 0),
-        lengths=state.num_generated,
-        finished_by_eos=state.finished_by_eos,
-        stats=state.stats,
-    )
+    with activate(model.sharding_rules):  # a model on a mesh: rows over `data`, heads and vocab over `model`
+        batch, prompt_width = prompt_ids.shape
+        prompt_ids, prompt_lens = constrain(prompt_ids, ("batch", "seq")), constrain(prompt_lens, ("batch",))
+        eos = jnp.asarray(model.config.eos_token_ids if cfg.stop_on_eos else (), jnp.int32).reshape(-1)
+        sampling = None if greedy else sampling
+        row_keys = jax.random.split(key, batch) if key.ndim == 0 else key
+        slots = cache_slots(prompt_width, cfg)
+        state = _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots)
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), _round_body(model, cfg, sampling, eos), state)
+        valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
+        return GenerateOutput(
+            tokens=constrain(jnp.where(valid, state.tokens[:, : cfg.max_new_tokens], 0), ("batch", None)),
+            lengths=constrain(state.num_generated, ("batch",)),
+            finished_by_eos=constrain(state.finished_by_eos, ("batch",)),
+            stats=state.stats,
+        )
 
 
 def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
     cfg = cfg or DecodeConfig()
     if cfg.num_draft > 0 and not model.config.has_mtp:
         raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
+    rules = model.sharding_rules
+    if rules is not None and prompt_ids.shape[0] % rules.axis_size("batch"):
+        size = rules.axis_size("batch")
+        raise ValueError(
+            f"a batch of {prompt_ids.shape[0]} rows does not split over the mesh's data axis ({size} shards): "
+            f"pad it to a multiple of {size} rows (python -m mtp_jax.decode does)"
+        )
     greedy = sampling is None and cfg.temperature == 0
     if sampling is None:
         sampling = SamplingParams.from_config(cfg, prompt_ids.shape[0])
@@ -315,13 +367,27 @@ def generate(
     return _generate(*args, **static)
 
 
-def compile_generate(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None):
+def compile_generate(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> CompiledGenerate:
     """Ahead-of-time compile `generate` for these shapes: returns a function of the same arguments."""
     args, static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-    compiled = _generate.lower(*args, **static).compile()
+    return CompiledGenerate(_generate.lower(*args, **static).compile())
 
-    def run(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> GenerateOutput:
+
+class CompiledGenerate:
+    """`generate` compiled for one set of shapes and settings; called with `generate`'s arguments."""
+
+    def __init__(self, compiled):
+        self._compiled = compiled
+
+    def __call__(self, model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> GenerateOutput:
         run_args, _ = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-        return compiled(*run_args[1:])
+        return self._compiled(*run_args[1:])
 
-    return run
+    def memory_bytes(self) -> int | None:
+        """XLA's count of the device memory the program holds at once: arguments, outputs and temporaries (None
+        where the backend does not say)."""
+        stats = self._compiled.memory_analysis()
+        if stats is None:
+            return None
+        held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+        return int(held - stats.alias_size_in_bytes)

@@ -248,9 +248,9 @@ def frequent_tokens(records: list[dict], vocab_size: int, size: int) -> np.ndarr
 
 
 def init_head_from_trunk(model: CausalLM, key: jax.Array) -> None:
-    """Start the MTP block from the trunk's last layer, its final norm from the trunk's, the fusion projection
-    random (std 1/sqrt(2D)), fusion norms at one."""
-    last = jax.tree.map(lambda a: a[-1:], nnx.state(model.layers.layers))
+    """Start the MTP block from the trunk's last layer (of the trunk's last segment: the MTP layer's kind), its final
+    norm from the trunk's, the fusion projection random (std 1/sqrt(2D)), fusion norms at one."""
+    last = jax.tree.map(lambda a: a[-1:], nnx.state(model.segments[-1].layers))
     nnx.update(model.mtp.block.layers, last)
     model.mtp.final_norm.scale[...] = jnp.copy(model.final_norm.scale[...])
     d = model.config.hidden_size

@@ -28,18 +28,30 @@ def check_rows(rows: list[dict], max_new_tokens: int) -> None:
 def test_bench_random_shape(tmp_path, capsys):
     out = tmp_path / "b.json"
     code = bench_main([
-        "--random-shape", "tiny", "--batch-sizes", "1,2", "--num-draft", "0,2", "--max-new-tokens", "8",
+        "--random-shape", "tiny", "--batch-sizes", "2", "--num-draft", "0,2", "--max-new-tokens", "8",
         "--repeats", "1", "--no-peer", "--json", str(out),
     ])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["meta"]["model"] == "random weights, shape tiny" and result["meta"]["command"].endswith(str(out))
     rows = result["rows"]
-    assert [(r["impl"], r["batch"], r["k"]) for r in rows] == [("mtp_jax", 1, 0), ("mtp_jax", 1, 2),
-                                                               ("mtp_jax", 2, 0), ("mtp_jax", 2, 2)]  # fmt: skip
+    assert [(r["impl"], r["batch"], r["k"]) for r in rows] == [
+        ("mtp_jax", 2, 0), ("mtp_jax", 2, 2), ("mtp_jax adaptive", 2, 2)
+    ]  # fmt: skip
     check_rows(rows, 8)
-    assert all(r["compile_seconds"] > 0 and r["ours_over_peer"] is None for r in rows)
-    assert all(r["same_tokens"] for r in rows if r["k"])  # greedy MTP is lossless
+    assert all(r["compile_seconds"] > 0 and r["ours_over_peer"] is None and r["memory_mb"] > 0 for r in rows)
+    assert all(r["same_tokens"] for r in rows if r["k"])  # greedy MTP, adaptive included, is lossless
+    fixed = [r for r in rows if r["impl"] == "mtp_jax"]
+    assert all(r["round_ms"] > 0 and r["verify_ms"] > 0 and (r["draft_ms"] > 0) == (r["k"] > 0) for r in fixed)
+    assert all(r["verify_over_plain"] > 0 for r in fixed)
+    plain = [r for r in fixed if r["k"] == 0]
+    assert all(r["bytes_per_step"] > 0 and 0 < r["roofline_fraction"] for r in plain)
+    assert result["meta"]["copy_bandwidth_gb_s"] > 0
+    for r in rows:
+        if r["impl"] == "mtp_jax adaptive":
+            costs = r["round_costs"]
+            assert len(costs) == 3 and costs[0] >= 1 and costs == sorted(costs)
+            assert sum(r["rounds_by_num_draft"]) == r["rounds"]
     assert "| mtp_jax | 2 | 2 |" in capsys.readouterr().out
 
 
@@ -50,7 +62,7 @@ def test_bench_peer_on_hf_folder(tmp_path, capsys):
     code = bench_main([
         "--model", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--batch-sizes", "1,2",
         "--num-draft", "2", "--max-new-tokens", "8", "--repeats", "1", "--json", str(tmp_path / "b.json"),
-        "--markdown", str(tmp_path / "b.md"), "--dtype", "float32",
+        "--markdown", str(tmp_path / "b.md"), "--dtype", "float32", "--no-split",
     ])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     result = json.loads((tmp_path / "b.json").read_text())

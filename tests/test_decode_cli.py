@@ -18,6 +18,7 @@ STATS_FIELDS = {
     "generated_tokens",
     "mean_accepted_length",
     "acceptance_rate",
+    "rounds_by_num_draft",
     "acceptance_per_position",
     "tokens_per_second",
     "wall_seconds",

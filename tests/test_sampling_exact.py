@@ -110,8 +110,12 @@ def marginal_total_variation(samples: np.ndarray, probs: np.ndarray) -> float:
     return max(distances)
 
 
-@pytest.mark.parametrize(("num_draft", "draft_vocab_size"), [(0, 0), (1, 0), (2, 0), (3, 0), (3, 4)])
-def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_size):
+# The adaptive case's costs make its policy draft 3 in the first round and 0 in the rest (rounds_with [3, 0, 0, 1]).
+@pytest.mark.parametrize(
+    ("num_draft", "draft_vocab_size", "round_costs"),
+    [(0, 0, None), (1, 0, None), (2, 0, None), (3, 0, None), (3, 4, None), (3, 0, (1.0, 1.5, 1.6, 1.7))],
+)
+def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_size, round_costs):
     model = make_model(draft_vocab_size)
     blocks = [*SETTINGS, (0.0, 0, 1.0)]
     sizes = [ROWS_PER_BLOCK] * len(SETTINGS) + [GREEDY_ROWS]
@@ -120,10 +124,15 @@ def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_
                               top_p=per_row(2, jnp.float32))  # fmt: skip
     batch = sum(sizes)
     ids, lens = np.broadcast_to(PROMPT, (batch, len(PROMPT))), np.full(batch, len(PROMPT), np.int32)
-    cfg = mtp_jax.DecodeConfig(num_draft=num_draft, max_new_tokens=NEW_TOKENS)
+    adaptive = round_costs is not None
+    cfg = mtp_jax.DecodeConfig(num_draft=num_draft, max_new_tokens=NEW_TOKENS, adaptive=adaptive,
+                               round_costs=round_costs)  # fmt: skip
     out = mtp_jax.generate(model, ids, lens, jax.random.key(num_draft), cfg, sampling)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     assert (lengths == NEW_TOKENS).all()
+    if adaptive:
+        rounds_with = np.asarray(out.stats.rounds_with)
+        assert rounds_with[0] > 0 and rounds_with[num_draft] > 0, rounds_with  # plain and full rounds both ran
     if num_draft:
         reached, accepted = np.asarray(out.stats.reached), np.asarray(out.stats.accepted_at)
         assert (accepted > 0.2 * reached).all(), (reached, accepted)  # every depth is accepted and rejected often
@@ -135,9 +144,8 @@ def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_
         block = tokens[start : start + size]
         start += size
         if settings[0] == 0:
-            greedy = mtp_jax.generate(
-                model, ids[:1], lens[:1], jax.random.key(0), dataclasses.replace(cfg, num_draft=0)
-            )
+            plain = dataclasses.replace(cfg, num_draft=0, adaptive=False, round_costs=None)
+            greedy = mtp_jax.generate(model, ids[:1], lens[:1], jax.random.key(0), plain)
             np.testing.assert_array_equal(block, np.broadcast_to(np.asarray(greedy.tokens), block.shape))
             continue
         probs = exact_distribution(logits, settings)

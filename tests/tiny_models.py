@@ -26,10 +26,13 @@ def tiny_config(layout: str = "deepseek", vocab: int = 24, eos: tuple[int, ...] 
     )
 
 
-def predictable_model(layout: str = "deepseek", seed: int = 0, context_scale: float = 0.3, noise: float = 0.02):
+def predictable_model(
+    layout: str = "deepseek", seed: int = 0, context_scale: float = 0.3, noise: float = 0.02, cfg=None
+):
     """A near-bigram trunk (attention and MLP outputs scaled down, still context-dependent) and an MTP head wired
-    to apply the same bigram map to its input token, so drafts are mostly, not always, right."""
-    model = mtp_jax.CausalLM(tiny_config(layout), rngs=nnx.Rngs(seed))
+    to apply the same bigram map to its input token, so drafts are mostly, not always, right. `cfg`: another
+    shape than `tiny_config(layout)` (same layout)."""
+    model = mtp_jax.CausalLM(cfg or tiny_config(layout), rngs=nnx.Rngs(seed))
     layers = model.layers.layers
     layers.attn.o_proj[...] = layers.attn.o_proj[...] * context_scale
     layers.mlp.down_proj[...] = layers.mlp.down_proj[...] * context_scale

@@ -1,4 +1,8 @@
-"""The generic dense decoder (embedding, scanned layer stack, final norm, lm_head) and its MTP head.
+"""The generic decoder (embedding, segments of scanned layer stacks, final norm, lm_head) and its MTP head.
+
+The trunk is a sequence of segments (`ModelConfig.segments()`): runs of consecutive layers of one kind (GQA or
+latent attention; dense or routed-expert MLP), each one stacked and scanned, each with its own cache. A trunk of one
+segment (every dense family) takes and returns that segment's cache itself; several segments, a tuple of caches.
 
 Forward passes are pure: caches go in and come out; parameters are read only. The decode loop splits a model
 into (graphdef, params) and merges it inside jit.
@@ -10,58 +14,83 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.cache import KVCache
-from mtp_jax.config import ModelConfig
-from mtp_jax.models.layers import DecoderLayer, RMSNorm, _init, rope_inverse_frequencies, rope_tables
+from mtp_jax.cache import attention_cache, write_slots
+from mtp_jax.config import LayerKind, ModelConfig
+from mtp_jax.models.layers import (
+    Attention,
+    DecoderLayer,
+    RMSNorm,
+    SwiGLU,
+    _init,
+    rope_inverse_frequencies,
+    rope_tables,
+)
+from mtp_jax.models.mla import MultiHeadLatentAttention
+from mtp_jax.models.moe import MoE
+from mtp_jax.sharding import HIDDEN, LOGITS, constrain
+
+ATTENTION_BLOCKS = {"gqa": Attention, "mla": MultiHeadLatentAttention}
+MLP_BLOCKS = {"dense": SwiGLU, "moe": MoE}
 
 
 class LayerStack(nnx.Module):
-    """`num_layers` decoder layers with stacked parameters (leading axis L), applied by `lax.scan`."""
+    """`num_layers` decoder layers of one kind with stacked parameters (leading axis L), applied by `lax.scan`."""
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, *, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, num_layers: int, *, kind: LayerKind, dtype, rngs: nnx.Rngs | None):
+        blocks = dict(attention=ATTENTION_BLOCKS[kind.attention], mlp=MLP_BLOCKS[kind.mlp])
+        self.config, self.kind, self.num_layers = cfg, kind, num_layers
         if rngs is None:
-            self.layers = nnx.vmap(lambda _: DecoderLayer(cfg, dtype=dtype, rngs=None), in_axes=0, out_axes=0)(
-                jnp.arange(num_layers)
-            )
+            self.layers = nnx.vmap(
+                lambda _: DecoderLayer(cfg, dtype=dtype, rngs=None, **blocks), in_axes=0, out_axes=0
+            )(jnp.arange(num_layers))
         else:
 
             @nnx.split_rngs(splits=num_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make(layer_rngs):
-                return DecoderLayer(cfg, dtype=dtype, rngs=layer_rngs)
+                return DecoderLayer(cfg, dtype=dtype, rngs=layer_rngs, **blocks)
 
             self.layers = make(rngs)
 
-    def __call__(self, x, positions, rope, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def new_cache(self, batch: int, slots: int, dtype):
+        """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
+        return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype)
+
+    def __call__(self, x, positions, rope, cache):
+        """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`)."""
         graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
+        past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
 
         def run(x, layer_inputs):
-            layer_params, past_k, past_v = layer_inputs  # past_k, past_v: [B, S, K, H], read only
-            x, k, v = nnx.merge(graphdef, layer_params)(x, positions, rope, past_k, past_v)
-            return x, (k, v)
+            layer_params, *layer_past = layer_inputs
+            x, *new = nnx.merge(graphdef, layer_params)(x, positions, rope, *layer_past)
+            return x, tuple(new)
 
-        x, (new_k, new_v) = jax.lax.scan(run, x, (stacked, cache.k, cache.v))  # new_k: [L, B, T, K, H]
-        # One scatter per cache after the stack: slot (row, position) of every layer gets this block's entry.
-        rows = jnp.arange(x.shape[0])[:, None]  # [B, 1]
-        k_all = cache.k.at[:, rows, positions].set(new_k.astype(cache.k.dtype), mode="drop")
-        v_all = cache.v.at[:, rows, positions].set(new_v.astype(cache.v.dtype), mode="drop")
-        return x, KVCache(k=k_all, v=v_all)
+        x, new = jax.lax.scan(run, x, (stacked, *past))  # each new entry: [L, B, T, ...]
+        # One scatter per cache array after the stack: slot (row, position) of every layer gets this block's entry.
+        updated = [write_slots(old, entry, positions) for old, entry in zip(past, new, strict=True)]
+        return x, jax.tree.unflatten(jax.tree.structure(cache), updated).constrained()
 
 
 class MtpModule(nnx.Module):
     """One MTP block: fuse norm(embed(next token)) with norm(trunk hidden), one decoder layer, a final norm.
 
-    DeepSeek layout concatenates [e, h]; MiMo's [h, e]. Logits come from the shared lm_head after `final_norm`.
+    DeepSeek layout concatenates [e, h]; MiMo's [h, e]. Logits come from the shared lm_head after `final_norm`,
+    and tokens are embedded with the trunk's embedding, unless the checkpoint gave the MTP layer its own copies
+    (`embed` [V, D], `head` [D, V]). The block is a layer of the trunk's kind, with routed experts when the trunk
+    has them.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
-        d = cfg.hidden_size
+        d, v = cfg.hidden_size, cfg.vocab_size
         self.token_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.proj = nnx.Param(_init(rngs, (2 * d, d), dtype, 2 * d))  # [2D, D]
-        self.block = LayerStack(cfg, 1, dtype=dtype, rngs=rngs)
+        self.block = LayerStack(cfg, 1, kind=cfg.mtp_layer_kind, dtype=dtype, rngs=rngs)
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_first = cfg.mtp.concat_hidden_first
+        self.embed = nnx.Param(_init(rngs, (v, d), dtype, 1)) if cfg.mtp.own_embedding else None  # VD
+        self.head = nnx.Param(_init(rngs, (d, v), dtype, d)) if cfg.mtp.own_head else None  # DV
 
     def __call__(
         self,
@@ -69,8 +98,8 @@ class MtpModule(nnx.Module):
         token_embeds: jax.Array,  # [B, T, D] embedding of the token at p + 1
         positions: jax.Array,  # [B, T]
         rope,
-        cache: KVCache,  # [1, B, S, K, H]
-    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        cache,  # the MTP layer's cache: KVCache [1, B, S, K, H] or LatentCache [1, B, S, C]
+    ) -> tuple[jax.Array, jax.Array, object]:
         e, h = self.token_norm(token_embeds), self.hidden_norm(hidden)
         fused = jnp.concatenate([h, e] if self.hidden_first else [e, h], axis=-1)  # [B, T, 2D]
         x = jnp.einsum("BTE,ED->BTD", fused, self.proj[...])
@@ -79,13 +108,15 @@ class MtpModule(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Dense decoder trunk + tied or untied lm_head + optional MTP module."""
+    """Decoder trunk (segments of layer stacks) + tied or untied lm_head + optional MTP module."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.config = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = nnx.Param(_init(rngs, (v, d), dtype, 1))  # VD
-        self.layers = LayerStack(cfg, cfg.num_layers, dtype=dtype, rngs=rngs)
+        self.segments = nnx.List(
+            [LayerStack(cfg, s.count, kind=s.kind, dtype=dtype, rngs=rngs) for s in cfg.segments()]
+        )
         self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(_init(rngs, (d, v), dtype, d))  # DV
         self.mtp = MtpModule(cfg, dtype=dtype, rngs=rngs) if cfg.has_mtp else None
@@ -93,43 +124,64 @@ class CausalLM(nnx.Module):
             self.draft_vocab = nnx.Variable(jnp.arange(cfg.mtp.draft_vocab_size, dtype=jnp.int32))  # [Vd]
         else:
             self.draft_vocab = None
+        self.sharding_rules = None  # mtp_jax.sharding.ShardingRules of a model placed on a mesh
 
     @property
     def dtype(self):
         return self.embed.dtype
 
-    def new_cache(self, batch: int, slots: int) -> KVCache:
-        """An empty trunk cache: [L, B, S, K, H] keys and values in the model's dtype."""
-        return KVCache.zeros(self.config.num_layers, batch, slots, self.config, self.dtype)
+    @property
+    def layers(self) -> LayerStack:
+        """The trunk's layer stack, when the trunk is one segment (every dense family)."""
+        if len(self.segments) != 1:
+            raise AttributeError(f"this trunk has {len(self.segments)} segments; use `segments`")
+        return self.segments[0]
 
-    def new_mtp_cache(self, batch: int, slots: int) -> KVCache:
-        """An empty MTP-layer cache: [1, B, S, K, H]."""
-        return KVCache.zeros(1, batch, slots, self.config, self.dtype)
+    def new_cache(self, batch: int, slots: int):
+        """An empty trunk cache in the model's dtype, per segment: KVCache [L, B, S, K, H] keys and values (GQA) or
+        LatentCache [L, B, S, C] (MLA); a tuple of them when the trunk has several segments."""
+        caches = tuple(segment.new_cache(batch, slots, self.dtype) for segment in self.segments)
+        return caches[0] if len(caches) == 1 else caches
+
+    def new_mtp_cache(self, batch: int, slots: int):
+        """An empty MTP-layer cache: KVCache [1, B, S, K, H] or LatentCache [1, B, S, C]."""
+        return self.mtp.block.new_cache(batch, slots, self.dtype)
 
     def rope(self, positions: jax.Array):
-        return rope_tables(positions, rope_inverse_frequencies(self.config.rope, self.config.head_dim))
+        cfg = self.config
+        return rope_tables(positions, rope_inverse_frequencies(cfg.rope, cfg.rotary_dim), cfg.rope.attention_factor)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
-        return jnp.take(self.embed[...], tokens, axis=0)
+        return constrain(jnp.take(self.embed[...], tokens, axis=0), HIDDEN)
 
-    def trunk(self, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their keys."""
+    def trunk(self, tokens: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
+        """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries."""
         with jax.named_scope("trunk"):
-            x, cache = self.layers(self.embed_tokens(tokens), positions, self.rope(positions), cache)
-            return self.final_norm(x), cache
+            x, rope = self.embed_tokens(tokens), self.rope(positions)
+            caches = (cache,) if len(self.segments) == 1 else cache
+            updated = []
+            for i, (segment, segment_cache) in enumerate(zip(self.segments, caches, strict=True)):
+                with jax.named_scope(f"segment_{i}"):
+                    x, segment_cache = segment(x, positions, rope, segment_cache)
+                updated.append(segment_cache)
+            return self.final_norm(x), (updated[0] if len(updated) == 1 else tuple(updated))
 
     def head_weights(self) -> jax.Array:  # [D, V]
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 logits [..., V]."""
-        return jnp.einsum("...D,DV->...V", hidden, self.head_weights(), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...D,DV->...V", hidden, self.head_weights(), preferred_element_type=jnp.float32)
+        return constrain(logits, LOGITS)
 
     def draft_logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 MTP logits [..., Vd] over the draft vocabulary (all V ids when it has no subset)."""
-        if self.draft_vocab is None:
+        own_head = self.mtp is not None and self.mtp.head is not None
+        if self.draft_vocab is None and not own_head:
             return self.logits(hidden)
-        weights = jnp.take(self.head_weights(), self.draft_vocab[...], axis=1)  # [D, Vd]
+        weights = self.mtp.head[...] if own_head else self.head_weights()  # [D, V]
+        if self.draft_vocab is not None:
+            weights = jnp.take(weights, self.draft_vocab[...], axis=1)  # [D, Vd]
         return jnp.einsum("...D,DV->...V", hidden, weights, preferred_element_type=jnp.float32)
 
     def draft_ids(self, draft_index: jax.Array) -> jax.Array:
@@ -141,11 +193,13 @@ class CausalLM(nnx.Module):
         hidden: jax.Array,  # [B, T, D]
         next_tokens: jax.Array,  # [B, T]
         positions: jax.Array,  # [B, T]
-        cache: KVCache,
-    ) -> tuple[jax.Array, jax.Array, KVCache]:
+        cache,
+    ) -> tuple[jax.Array, jax.Array, object]:
         """One MTP pass: (hidden to feed a deeper draft [B, T, D], normed hidden for logits [B, T, D], cache)."""
         with jax.named_scope("mtp"):
-            raw, normed, cache = self.mtp(
-                hidden, self.embed_tokens(next_tokens), positions, self.rope(positions), cache
-            )
+            if self.mtp.embed is None:
+                embeds = self.embed_tokens(next_tokens)
+            else:
+                embeds = constrain(jnp.take(self.mtp.embed[...], next_tokens, axis=0), HIDDEN)
+            raw, normed, cache = self.mtp(hidden, embeds, positions, self.rope(positions), cache)
             return (normed if self.config.mtp.recurse_normed else raw), normed, cache

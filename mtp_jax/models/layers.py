@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig, RopeConfig
+from mtp_jax.sharding import HIDDEN, constrain
 
 
 def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
@@ -36,10 +37,12 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> jax.Array:
-    """[H/2] float32 inverse frequencies, with llama3 frequency-band scaling when configured."""
+    """[H/2] float32 inverse frequencies (H: the rotary dims), with llama3 or yarn scaling when configured."""
     inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if rope.kind == "default":
         return inv_freq
+    if rope.kind == "yarn":
+        return _yarn_inverse_frequencies(rope, head_dim, inv_freq)
     low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
     high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -52,19 +55,44 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> jax.Array:
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: [B, T, H] float32 for positions [B, T] (half-split layout: the two halves repeat)."""
+def _yarn_inverse_frequencies(rope: RopeConfig, dim: int, inv_freq: jax.Array) -> jax.Array:
+    """Yarn: unscaled frequencies for dims that rotate more than `beta_fast` times over the original context,
+    `factor`-scaled ones below `beta_slow` rotations, a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        wavelengths = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)  # [H/2]: 1 = scaled
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: [B, T, H] float32 for positions [B, T] (half-split layout: the two halves repeat), times `scale`
+    (yarn's attention factor)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, T, n, H] by the tables [B, T, H] in HF's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:
+    """Rotate the leading R dims of x [B, T, n, H] by the tables [B, T, R] in HF's rotate-half convention; the other
+    H - R dims pass through (partial rotary). `interleaved`: the rotary pairs are adjacent dims (x0, x1), ...;
+    they are gathered into two halves first, so the rotated dims come out half-split (as transformers does)."""
+    dims = cos.shape[-1]
+    rotary, rest = x[..., :dims], x[..., dims:]
+    if interleaved:
+        rotary = jnp.concatenate([rotary[..., 0::2], rotary[..., 1::2]], axis=-1)
+    half = dims // 2
+    rotated = jnp.concatenate([-rotary[..., half:], rotary[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    out = rotary * cos + rotated * sin
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
 class Attention(nnx.Module):
@@ -127,10 +155,10 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x)), optional biases."""
+    """down(silu(gate(x)) * up(x)), optional biases; `width` F defaults to the config's intermediate size."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, width: int | None = None):
+        d, f = cfg.hidden_size, width or cfg.intermediate_size
         self.gate_proj = nnx.Param(_init(rngs, (d, f), dtype, d))  # DF
         self.up_proj = nnx.Param(_init(rngs, (d, f), dtype, d))  # DF
         self.down_proj = nnx.Param(_init(rngs, (f, d), dtype, f))  # FD
@@ -150,19 +178,28 @@ class SwiGLU(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+    `attention` and `mlp` are the block classes (default: GQA and a dense SwiGLU; see models/causal_lm.py for the
+    latent-attention and routed-expert kinds).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, attention=Attention, mlp=SwiGLU):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.attn = attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = SwiGLU(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope, past_k, past_v):
-        """x [B, T, D] -> (x, new keys [B, T, K, H], new values [B, T, K, H])."""
+    def __call__(self, x, positions, rope, *past):
+        """x [B, T, D] and this layer's cache arrays -> (x, *this block's cache entries).
+
+        GQA: past = (keys, values) [B, S, K, H], new keys and values [B, T, K, H]. MLA: past = (latents [B, S, C],),
+        new latents [B, T, C].
+        """
+        x = constrain(x, HIDDEN)
         with jax.named_scope("attention"):
-            attn_out, k, v = self.attn(self.input_norm(x), positions, rope, past_k, past_v)
-        x = x + attn_out
+            attn_out, *new = self.attn(self.input_norm(x), positions, rope, *past)
+        x = x + constrain(attn_out, HIDDEN)
         with jax.named_scope("mlp"):
-            x = x + self.mlp(self.post_attention_norm(x))
-        return x, k, v
+            x = x + constrain(self.mlp(self.post_attention_norm(x)), HIDDEN)
+        return (x, *new)

@@ -1,0 +1,88 @@
+"""Adaptive draft length: before each round, pick j in 0..k drafts from the running acceptance and the cost of a
+round with j drafts, so drafting stops where it does not pay (large batches, a head that does not fit the text).
+
+With conditional acceptance a_i at depth i, a round with j drafts emits E(j) = 1 + a_0 + a_0 a_1 + ... tokens on
+average (the bonus included) and costs c(j) plain steps; the policy picks argmax E(j) / c(j). Any j per round keeps
+the output exact (each round is a complete speculative step), so the choice only moves speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+PRIOR_RATE = 0.5  # acceptance at depth 0 assumed before any evidence ...
+PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
+DECAY = 0.9  # per round: recent rounds count more, so the choice follows the text
+
+
+@struct.dataclass
+class AcceptanceTracker:
+    """Decayed counts per depth over active rows. hits [k]: drafts accepted; trials [k]: drafts judged."""
+
+    hits: jax.Array
+    trials: jax.Array
+
+    @classmethod
+    def start(cls, max_draft: int) -> AcceptanceTracker:
+        return cls(hits=jnp.zeros((max_draft,), jnp.float32), trials=jnp.zeros((max_draft,), jnp.float32))
+
+    def rates(self) -> jax.Array:
+        """Estimated conditional acceptance per depth [k]. Each depth's prior is the estimate of the depth before
+        it (conditional acceptance rarely falls with depth), so a depth not drafted yet looks as good as the last
+        one measured and gets tried, instead of staying at a pessimistic prior forever."""
+        rates, prior = [], jnp.float32(PRIOR_RATE)
+        for depth in range(self.hits.shape[0]):
+            prior = (self.hits[depth] + prior * PRIOR_WEIGHT) / (self.trials[depth] + PRIOR_WEIGHT)
+            rates.append(prior)
+        return jnp.stack(rates)
+
+    def update(self, hits: jax.Array, trials: jax.Array) -> AcceptanceTracker:
+        """Add this round's counts [k]; depths not judged this round keep their estimate (both counts decay)."""
+        return AcceptanceTracker(hits=DECAY * self.hits + hits, trials=DECAY * self.trials + trials)
+
+
+def expected_tokens(rates: jax.Array) -> jax.Array:
+    """Tokens a round emits on average with j = 0..k drafts: [k+1]."""
+    reach = jnp.concatenate([jnp.ones((1,), rates.dtype), jnp.cumprod(rates)])  # P(draft j is judged), bonus last
+    return jnp.cumsum(reach)
+
+
+def choose_num_draft(tracker: AcceptanceTracker, round_costs: jax.Array) -> jax.Array:
+    """The j in 0..k with the most tokens per unit of time: int32 []."""
+    return jnp.argmax(expected_tokens(tracker.rates()) / round_costs).astype(jnp.int32)
+
+
+def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int) -> tuple[float, ...]:
+    """Costs of rounds with j = 0..k drafts in plain steps, for a memory-bound device: a verify pass reads the
+    trunk once whatever its length, a draft step reads the MTP layer and the draft head. Round 0 still extends the
+    MTP cache and makes one draft (to keep measuring acceptance), so it costs one draft step too.
+    Compute-bound settings (CPU, large batches) should pass measured costs instead (`python -m mtp_jax.bench`)."""
+    step = draft_bytes / trunk_bytes
+    return tuple(1.0 + max(j, 1) * step for j in range(max_draft + 1))
+
+
+def step_param_bytes(model) -> tuple[int, int]:
+    """Parameter bytes a plain step reads (trunk layers, final norm, output head) and a draft step reads (the MTP
+    layer and the rows of the draft vocabulary of its head). Embedding tables count only as the tied head."""
+    from flax import nnx
+
+    size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    head = size(model.head_weights())
+    trunk = sum(size(nnx.state(segment)) for segment in model.segments) + size(nnx.state(model.final_norm)) + head
+    if model.mtp is None:
+        return trunk, 0
+    mtp = nnx.state(model.mtp)
+    draft_head = size(model.mtp.head[...]) if model.mtp.head is not None else head
+    if model.draft_vocab is not None:
+        draft_head = draft_head * model.draft_vocab[...].shape[0] // model.config.vocab_size
+    own = sum(size(p[...]) for p in (model.mtp.head, model.mtp.embed) if p is not None)  # counted apart above
+    return trunk, size(mtp) - own + draft_head
+
+
+def validate_round_costs(costs: tuple[float, ...], max_draft: int) -> None:
+    if len(costs) != max_draft + 1 or not all(math.isfinite(c) and c > 0 for c in costs):
+        raise ValueError(f"round_costs needs {max_draft + 1} positive numbers (j = 0..{max_draft}), got {costs}")

@@ -1,0 +1,145 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a cache of compressed latents.
+
+Each token is cached as one latent row: the normed kv latent (R dims) followed by the rotary key shared by all
+heads (P dims) — no head axis. Keys and values are up-projected from the latent by `kv_b_proj`. Two equal ways to
+attend, picked by the query block's length:
+  expanded: up-project the cached latents to per-head keys and values, then attend (cheap for long blocks, e.g. a
+            prompt);
+  absorbed: fold the key up-projection into the queries and the value up-projection into the output, and attend
+            over the latents directly (cheap for short blocks: decode and verify steps never expand the cache).
+
+Einsum letters (with those of layers.py): Q query LoRA rank, R kv latent rank, C cached dims (R + P), P rotary
+dims per head, H non-rotary query/key dims per head, W value dims per head, J = H + P, I = H + W, U keys within
+the new block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config import ModelConfig, RopeConfig
+from mtp_jax.models.layers import RMSNorm, _init, apply_rope
+
+
+def yarn_softmax_mscale(rope: RopeConfig) -> float:
+    """The factor DeepSeek applies (squared) to the softmax scale under yarn: 0.1 * mscale_all_dim * ln(factor) + 1."""
+    if rope.kind != "yarn" or not rope.mscale_all_dim or rope.factor <= 1:
+        return 1.0
+    return 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+
+
+def past_and_block_probs(
+    past_scores: jax.Array,  # [..., T, S] float32 scores against the cache
+    block_scores: jax.Array,  # [..., T, U] float32 scores within the new block
+    positions: jax.Array,  # [B, T]; the leading axis of the scores is B
+) -> tuple[jax.Array, jax.Array]:
+    """One softmax over cache slots before the block (later slots are stale: rollback is by length) and, causally,
+    the block itself; returns the two parts of the probabilities."""
+    slots, t = past_scores.shape[-1], block_scores.shape[-1]
+    visible = jnp.arange(slots)[None, :] < positions[:, :1]  # [B, S]
+    visible = visible.reshape(visible.shape[:1] + (1,) * (past_scores.ndim - 2) + visible.shape[1:])
+    past_scores = jnp.where(visible, past_scores, -jnp.inf)
+    block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([past_scores, block_scores], axis=-1), axis=-1)
+    return probs[..., :slots], probs[..., slots:]
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    """DeepSeek's MLA: optional query LoRA, a shared rotary key, keys/values up-projected from a cached latent."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        m, d, n = cfg.mla, cfg.hidden_size, cfg.num_heads
+        self.nope_dim, self.rope_dim, self.latent_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        if m.q_lora_rank:
+            self.q_a_proj = nnx.Param(_init(rngs, (d, m.q_lora_rank), dtype, d))  # DQ
+            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = nnx.Param(_init(rngs, (m.q_lora_rank, n, m.qk_head_dim), dtype, m.q_lora_rank))  # QNJ
+            self.q_proj = None
+        else:
+            self.q_proj = nnx.Param(_init(rngs, (d, n, m.qk_head_dim), dtype, d))  # DNJ
+        self.kv_a_proj = nnx.Param(_init(rngs, (d, m.latent_dim), dtype, d))  # DC
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+        kv_b_shape = (m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim)
+        self.kv_b_proj = nnx.Param(_init(rngs, kv_b_shape, dtype, m.kv_lora_rank))  # RNI
+        self.o_proj = nnx.Param(_init(rngs, (n, m.v_head_dim, d), dtype, n * m.v_head_dim))  # NWD
+        self.interleaved = cfg.rope.interleaved
+        self.scale = yarn_softmax_mscale(cfg.rope) ** 2 / math.sqrt(m.qk_head_dim)
+
+    def queries(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, N, H+P]
+        if self.q_proj is not None:
+            return jnp.einsum("BTD,DNJ->BTNJ", x, self.q_proj[...])
+        q_latent = self.q_a_norm(jnp.einsum("BTD,DQ->BTQ", x, self.q_a_proj[...]))
+        return jnp.einsum("BTQ,QNJ->BTNJ", q_latent, self.q_b_proj[...])
+
+    def latents(self, x: jax.Array, rope) -> jax.Array:  # [B, T, D] -> [B, T, C]: what the cache stores
+        kv = jnp.einsum("BTD,DC->BTC", x, self.kv_a_proj[...])
+        latent = self.kv_a_norm(kv[..., : self.latent_rank])  # [B, T, R]
+        rope_key = apply_rope(kv[:, :, None, self.latent_rank :], *rope, interleaved=self.interleaved)[:, :, 0]
+        return jnp.concatenate([latent, rope_key], axis=-1)
+
+    def absorbs(self, block_len: int) -> bool:
+        """Whether attending over latents costs fewer flops than expanding them, per cached slot: absorbed spends
+        T * (2R + P) per head, expanded R * (H + W) to expand plus T * (H + P + W) to attend."""
+        value_dim = self.kv_b_proj.shape[-1] - self.nope_dim
+        absorbed = block_len * (2 * self.latent_rank + self.rope_dim)
+        expanded = self.latent_rank * (self.nope_dim + value_dim) + block_len * (
+            self.nope_dim + self.rope_dim + value_dim
+        )
+        return absorbed < expanded
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, D]
+        positions: jax.Array,  # [B, T] absolute positions, contiguous per row
+        rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, P]
+        past: jax.Array,  # [B, S, C] this layer's latent cache; slots >= positions[:, 0] are ignored
+        absorb: bool | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way."""
+        q = self.queries(x)
+        q_nope = q[..., : self.nope_dim]  # [B, T, N, H]
+        q_rope = apply_rope(q[..., self.nope_dim :], *rope, interleaved=self.interleaved)  # [B, T, N, P]
+        block = self.latents(x, rope)  # [B, T, C]
+        if absorb is None:
+            absorb = self.absorbs(x.shape[1])
+        attend = self._absorbed if absorb else self._expanded
+        out = attend(q_nope * self.scale, q_rope * self.scale, past.astype(x.dtype), block, positions)  # [B,T,N,W]
+        return jnp.einsum("BTNW,NWD->BTD", out, self.o_proj[...]), block
+
+    def _expanded(self, q_nope, q_rope, past, block, positions):
+        """Per-head keys and values from every latent, then ordinary attention."""
+        kv_b = self.kv_b_proj[...]
+        f32 = jnp.float32
+
+        def keys_values(latents):  # [B, S, C] -> keys [B, S, N, H], values [B, S, N, W], rotary keys [B, S, P]
+            kv = jnp.einsum("BSR,RNI->BSNI", latents[..., : self.latent_rank], kv_b)
+            return kv[..., : self.nope_dim], kv[..., self.nope_dim :], latents[..., self.latent_rank :]
+
+        past_k, past_v, past_rope = keys_values(past)
+        block_k, block_v, block_rope = keys_values(block)
+        past_scores = jnp.einsum("BTNH,BSNH->BNTS", q_nope, past_k, preferred_element_type=f32)
+        past_scores += jnp.einsum("BTNP,BSP->BNTS", q_rope, past_rope, preferred_element_type=f32)
+        block_scores = jnp.einsum("BTNH,BUNH->BNTU", q_nope, block_k, preferred_element_type=f32)
+        block_scores += jnp.einsum("BTNP,BUP->BNTU", q_rope, block_rope, preferred_element_type=f32)
+        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions)
+        out = jnp.einsum("BNTS,BSNW->BTNW", past_probs.astype(past_v.dtype), past_v)
+        return out + jnp.einsum("BNTU,BUNW->BTNW", block_probs.astype(block_v.dtype), block_v)
+
+    def _absorbed(self, q_nope, q_rope, past, block, positions):
+        """Queries moved into latent space (q_nope . W_uk), attention over latents, W_uv applied to the result."""
+        kv_b = self.kv_b_proj[...]
+        w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
+        f32 = jnp.float32
+        q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, w_uk)
+        query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, C]: matches a cached row [latent, rope]
+        past_scores = jnp.einsum("BTNC,BSC->BNTS", query, past, preferred_element_type=f32)
+        block_scores = jnp.einsum("BTNC,BUC->BNTU", query, block, preferred_element_type=f32)
+        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions)
+        r = self.latent_rank
+        out_latent = jnp.einsum("BNTS,BSR->BTNR", past_probs.astype(past.dtype), past[..., :r])
+        out_latent += jnp.einsum("BNTU,BUR->BTNR", block_probs.astype(block.dtype), block[..., :r])
+        return jnp.einsum("BTNR,RNW->BTNW", out_latent, w_uv)

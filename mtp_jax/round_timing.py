@@ -1,0 +1,110 @@
+"""Where a decode round's time goes, for the benchmark: the draft steps, the verify pass and the whole round, each
+timed as its own jitted call of the loop's own shapes, and the bytes a plain step must read against the device's
+copy bandwidth (the roofline).
+
+Each part runs `iterations` times inside one `fori_loop`, carrying the buffers it updates (KV or MTP cache, or the
+whole loop state), so they are updated in place as in the real loop and the call's dispatch is amortised. Rounds are
+greedy; the state comes from the loop's own prefill of the benchmark's prompts.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp_jax.adaptive import step_param_bytes
+from mtp_jax.config import DecodeConfig
+from mtp_jax.speculative import _prefill, _Round, cache_slots
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "slots"))
+def _prefilled_state(graphdef, params, prompt_ids, prompt_lens, cfg: DecodeConfig, slots: int):
+    model = nnx.merge(graphdef, params)
+    row_keys = jax.random.split(jax.random.key(0), prompt_ids.shape[0])
+    eos = jnp.zeros((0,), jnp.int32)
+    return _prefill(model, cfg, None, eos, prompt_ids, prompt_lens, row_keys, slots)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "part", "num_draft", "iterations"))
+def _repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
+    model = nnx.merge(graphdef, params)
+    step = _Round(model, cfg, None, jnp.zeros((0,), jnp.int32), num_draft)
+    if part == "round":
+        return jax.lax.fori_loop(0, iterations, lambda _, s: step(s), state)
+    if part == "verify":
+        drafts = jnp.zeros((state.pending.shape[0], num_draft), jnp.int32)  # [B, j]: the values do not matter
+        verify = lambda _, cache: step.verify(state, drafts, None, cache)[3]
+        return jax.lax.fori_loop(0, iterations, verify, state.cache)
+    draft = lambda _, mtp_cache: step.draft(state.replace(mtp_cache=mtp_cache))[2]
+    return jax.lax.fori_loop(0, iterations, draft, state.mtp_cache)
+
+
+class RoundTimer:
+    """Times round parts of one model on one padded prompt batch (ids [B, W], lens [B])."""
+
+    def __init__(self, model, prompt_ids, prompt_lens, max_new_tokens: int, iterations: int = 16, repeats: int = 3):
+        self.graphdef, self.params = nnx.split(model)
+        self.ids, self.lens = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32)
+        self.max_new_tokens, self.iterations, self.repeats = max_new_tokens, iterations, repeats
+        self._states = {}
+
+    def _state(self, cfg: DecodeConfig):
+        if cfg.num_draft not in self._states:
+            slots = cache_slots(self.ids.shape[1], cfg)
+            self._states[cfg.num_draft] = _prefilled_state(self.graphdef, self.params, self.ids, self.lens, cfg, slots)
+        return self._states[cfg.num_draft]
+
+    def milliseconds(self, part: str, max_draft: int, num_draft: int) -> float:
+        """Median time of one `part` ("round", "verify" or "draft") with `num_draft` drafts in a loop whose MTP
+        block is `max_draft` + 1 wide (max_draft > num_draft: an adaptive loop's narrower round)."""
+        cfg = DecodeConfig(num_draft=max_draft, max_new_tokens=self.max_new_tokens, stop_on_eos=False)
+        state = self._state(cfg)
+        run = functools.partial(_repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, self.iterations)
+        jax.block_until_ready(run())  # compile and warm up
+        walls = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            walls.append(time.perf_counter() - start)
+        return 1000 * statistics.median(walls) / self.iterations
+
+    def split(self, num_draft: int) -> dict:
+        """A fixed-k loop's round: its whole time and its draft and verify parts, in ms."""
+        split = {"round_ms": self.milliseconds("round", num_draft, num_draft)}
+        split["verify_ms"] = self.milliseconds("verify", num_draft, num_draft)
+        split["draft_ms"] = self.milliseconds("draft", num_draft, num_draft) if num_draft else 0.0
+        return split
+
+    def adaptive_costs(self, max_draft: int, plain_round_ms: float) -> tuple[float, ...]:
+        """Rounds with j = 0..max_draft drafts of an adaptive loop, over a plain round: its `round_costs`. A round
+        does all the work of a round with fewer drafts (and of a plain one), so timing noise that says otherwise is
+        evened out: each cost is at least 1 and at least the one before."""
+        costs = [self.milliseconds("round", max_draft, j) / plain_round_ms for j in range(max_draft + 1)]
+        return tuple(float(c) for c in np.maximum.accumulate(np.maximum(costs, 1.0)))
+
+
+def plain_step_bytes(model, batch: int, slots: int) -> int:
+    """Bytes a plain decode step must read: the trunk's parameters and the whole padded cache (attention reads
+    every slot)."""
+    trunk_bytes, _ = step_param_bytes(model)
+    cache = jax.eval_shape(lambda: model.new_cache(batch, slots))
+    return trunk_bytes + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def copy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
+    """Measured device memory bandwidth in bytes/s: an elementwise pass reading and writing `num_bytes`."""
+    x = jnp.zeros((num_bytes // 4,), jnp.float32)
+    touch = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(touch(x))
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(touch(x))
+        walls.append(time.perf_counter() - start)
+    return 2 * x.size * 4 / statistics.median(walls)

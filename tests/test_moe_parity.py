@@ -1,0 +1,202 @@
+"""DeepSeek-V3 and GLM-4.5 trunks against transformers on tiny random checkpoints in the released key layout
+(per-expert keys): config, block by block (both MLA attention paths), full logits, greedy tokens."""
+
+from __future__ import annotations
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import mtp_jax
+from checkpoints_convert.hf_config import model_config_from_hf
+from mtp_jax.models.moe import MoE
+from tests.moe_models import FAMILIES, MOE_SHAPE, hf_config, random_hf_model
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+LOGITS_LEN = 12
+NEW_TOKENS = 16
+PROMPT_LENS = (5, 12, 9)
+VOCAB = MOE_SHAPE["vocab_size"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """(transformers model, our model loaded from its saved folder, the saved config.json dict)."""
+    hf = random_hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder, safe_serialization=True)
+    with open(folder / "config.json") as f:
+        saved = json.load(f)
+    return hf, mtp_jax.load_model(str(folder), dtype=jnp.float32), saved
+
+
+def _tokens(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, shape).astype(np.int32)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def test_config_maps(pair):
+    hf, model, saved = pair
+    cfg, ref = model.config, hf.config
+    assert cfg == model_config_from_hf(saved).replace(mtp=None) and cfg.family == ref.model_type
+    assert cfg.moe.num_experts == ref.n_routed_experts and cfg.moe.first_dense_layers == ref.first_k_dense_replace
+    assert [(s.kind.mlp, s.start, s.count) for s in cfg.segments()] == [("dense", 0, 1), ("moe", 1, 2)]
+    # config.json announces one MTP layer, but transformers saves none of its tensors: loaded without a head
+    assert saved["num_nextn_predict_layers"] == 1 and not cfg.has_mtp
+    if cfg.family == "deepseek_v3":
+        assert cfg.mla.kv_lora_rank == ref.kv_lora_rank and cfg.rope.interleaved and cfg.rope.kind == "yarn"
+        assert cfg.rotary_dim == ref.qk_rope_head_dim
+    else:
+        assert cfg.mla is None and cfg.qk_norm and cfg.qkv_bias and not cfg.o_bias
+        assert cfg.rotary_dim == ref.head_dim // 2
+
+
+def _capture(hf) -> tuple[dict, list]:
+    """Hooks recording the embedding, rotary tables, every layer's and attention's input/output, the final norm."""
+    seen: dict = {"layer_in": {}, "layer_out": {}, "attn_in": {}, "attn_out": {}}
+    inner = hf.model
+    handles = [
+        inner.embed_tokens.register_forward_hook(lambda m, a, out: seen.__setitem__("embed", out)),
+        inner.rotary_emb.register_forward_hook(lambda m, a, out: seen.__setitem__("rope", out)),
+        inner.norm.register_forward_hook(lambda m, a, out: seen.update(norm_in=a[0], norm_out=out)),
+    ]
+    for i, layer in enumerate(inner.layers):
+        handles += [
+            layer.register_forward_pre_hook(lambda m, a, i=i: seen["layer_in"].__setitem__(i, a[0])),
+            layer.register_forward_hook(lambda m, a, out, i=i: seen["layer_out"].__setitem__(i, out)),
+            layer.self_attn.register_forward_pre_hook(
+                lambda m, a, kw, i=i: seen["attn_in"].__setitem__(i, kw["hidden_states"]), with_kwargs=True
+            ),
+            layer.self_attn.register_forward_hook(lambda m, a, out, i=i: seen["attn_out"].__setitem__(i, out[0])),
+        ]
+    return seen, handles
+
+
+def _layer(model, index: int):
+    """(our decoder layer `index`, its zero cache arrays for a batch of 3 and LOGITS_LEN slots)."""
+    for segment in model.segments:
+        if index < segment.num_layers:
+            graphdef, stacked = nnx.split(segment.layers)
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=index: a[i], stacked))
+            past = [leaf[index] for leaf in jax.tree.leaves(segment.new_cache(3, LOGITS_LEN, jnp.float32))]
+            return layer, past
+        index -= segment.num_layers
+    raise IndexError(index)
+
+
+def test_block_by_block(pair):
+    """Each stage fed transformers' own input; MLA attention checked both absorbed and expanded."""
+    hf, model, _ = pair
+    ids = _tokens(1, (3, LOGITS_LEN))
+    seen, handles = _capture(hf)
+    try:
+        with torch.no_grad():
+            logits = hf(torch.from_numpy(ids).long()).logits
+    finally:
+        for h in handles:
+            h.remove()
+    positions = jnp.broadcast_to(jnp.arange(LOGITS_LEN), ids.shape)
+    rope = model.rope(positions)
+    chex.assert_trees_all_close(model.embed_tokens(ids), _np(seen["embed"]), **TOL)
+    chex.assert_trees_all_close(tuple(a[:1] for a in rope), tuple(_np(t) for t in seen["rope"]), **TOL)
+    for i in range(model.config.num_layers):
+        layer, past = _layer(model, i)
+        out, *_ = layer(_np(seen["layer_in"][i]), positions, rope, *past)
+        chex.assert_trees_all_close(out, _np(seen["layer_out"][i]), **TOL, custom_message=f"layer {i}")
+        if model.config.mla is not None:
+            for absorb in (True, False):
+                attn, _ = layer.attn(_np(seen["attn_in"][i]), positions, rope, *past, absorb=absorb)
+                chex.assert_trees_all_close(attn, _np(seen["attn_out"][i]), **TOL, custom_message=f"absorb={absorb}")
+    chex.assert_trees_all_close(model.final_norm(_np(seen["norm_in"])), _np(seen["norm_out"]), **TOL)
+    chex.assert_trees_all_close(model.logits(_np(seen["norm_out"])), _np(logits), **TOL)
+
+
+def test_full_logits(pair):
+    hf, model, _ = pair
+    ids = _tokens(2, (3, LOGITS_LEN))
+    positions = jnp.broadcast_to(jnp.arange(LOGITS_LEN), ids.shape)
+    hidden, _ = model.trunk(ids, positions, model.new_cache(3, LOGITS_LEN))
+    with torch.no_grad():
+        reference = hf(torch.from_numpy(ids).long()).logits
+    chex.assert_trees_all_close(model.logits(hidden), _np(reference), **TOL)
+
+
+def test_greedy_tokens(pair):
+    """3 right-padded prompts of different lengths in one batch; transformers runs each alone."""
+    hf, model, _ = pair
+    width = max(PROMPT_LENS)
+    ids = _tokens(3, (len(PROMPT_LENS), width))
+    ids = np.where(np.arange(width) < np.asarray(PROMPT_LENS)[:, None], ids, 0)
+    references = []
+    for row, n in enumerate(PROMPT_LENS):
+        prompt = torch.from_numpy(ids[row : row + 1, :n]).long()
+        with torch.no_grad():
+            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        references.append(out[0, n:].tolist())
+    cfg = mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=NEW_TOKENS)
+    batch = mtp_jax.generate(model, ids, np.asarray(PROMPT_LENS), jax.random.key(0), cfg)
+    assert np.asarray(batch.lengths).tolist() == [NEW_TOKENS] * len(PROMPT_LENS)
+    for row, reference in enumerate(references):
+        assert np.asarray(batch.tokens[row]).tolist() == reference, f"row {row}"
+
+
+def test_mla_absorbed_equals_expanded_over_a_cache(pair):
+    """With a filled cache and per-row offsets (what decode and verify see), both ways of attending agree."""
+    _, model, _ = pair
+    if model.config.mla is None:
+        pytest.skip("GQA family")
+    layer, _ = _layer(model, 1)
+    key_x, key_past = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(key_x, (2, 3, model.config.hidden_size))
+    past = jax.random.normal(key_past, (2, 10, model.config.mla.latent_dim))
+    positions = jnp.array([[6, 7, 8], [2, 3, 4]])
+    rope = model.rope(positions)
+    absorbed, latents = layer.attn(x, positions, rope, past, absorb=True)
+    expanded, same_latents = layer.attn(x, positions, rope, past, absorb=False)
+    chex.assert_trees_all_close(absorbed, expanded, **TOL)
+    chex.assert_trees_all_close(latents, same_latents, atol=0, rtol=0)
+    changed = past.at[1, 4:].set(99.0)  # slots at or after row 1's first position are stale: never read
+    chex.assert_trees_all_close(layer.attn(x, positions, rope, changed, absorb=True)[0], absorbed, atol=0, rtol=0)
+    assert layer.attn.absorbs(1) and not layer.attn.absorbs(4096)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those inside nested jaxprs (jit, custom_jvp, ...) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def test_experts_run_as_grouped_matmuls():
+    """Routed rows go through `ragged_dot` (one grouped matmul per projection), never a dense product with every
+    expert's weights."""
+    cfg = model_config_from_hf(hf_config("glm4_moe").to_dict())
+    moe = MoE(cfg, dtype=jnp.float32, rngs=None)  # zero weights: only the traced program matters
+    equations = list(_equations(jax.make_jaxpr(lambda x: moe(x))(jnp.ones((2, 3, cfg.hidden_size))).jaxpr))
+    assert [e.primitive.name for e in equations].count("ragged_dot_general") == 3
+    expert_shapes = {moe.expert_gate.shape, moe.expert_up.shape, moe.expert_down.shape}
+    for e in equations:
+        if e.primitive.name == "dot_general":
+            assert not {tuple(v.aval.shape) for v in e.invars} & expert_shapes, e
