@@ -23,6 +23,7 @@ from checkpoints_convert.errors import ConversionError
 from checkpoints_convert.hf_config import model_config_from_hf
 from checkpoints_convert.key_table import (
     DECODER_LAYER,
+    IGNORED_PREFIXES,
     IGNORED_SUFFIXES,
     MLA_ATTENTION,
     MOE_MLP,
@@ -30,7 +31,10 @@ from checkpoints_convert.key_table import (
     ROUTED_EXPERT,
     TRUNK_ROOT,
     Target,
+    hybrid_layer_table,
+    mtp_layer_prefix,
     mtp_prefix,
+    trunk_prefix,
 )
 from checkpoints_convert.source import CheckpointSource
 from mtp_jax.checkpoint import CONFIG_FILE
@@ -55,40 +59,59 @@ def abstract_params(cfg: ModelConfig, dtype) -> dict[ParamPath, jax.ShapeDtypeSt
 LAYER_TABLE = {**DECODER_LAYER, **MLA_ATTENTION, **MOE_MLP}  # entries whose parameter a layer lacks are skipped
 
 
-def _layer_targets(cfg: ModelConfig, prefix: str, stack: ParamPath, index: int) -> Iterator[tuple[str, Target]]:
-    """The tensors of one decoder layer under `prefix`, filling slot `index` of the layer stack at `stack`."""
-    for suffix, (path, transform) in LAYER_TABLE.items():
-        yield prefix + suffix, Target((*stack, "layers", *path), (index,), transform)
-    for e in range(cfg.moe.num_experts if cfg.moe is not None else 0):
+def _layer_targets(
+    cfg: ModelConfig, prefix: str, stack: ParamPath, index: int, names: frozenset[str]
+) -> Iterator[tuple[str, Target]]:
+    """The tensors of one decoder layer under `prefix`, filling slot `index` of the layer stack whose layer module
+    is at `stack`. `names` (the checkpoint's) tell whether a hybrid layer's experts are fused."""
+    fused_experts = f"{prefix}mlp.experts.gate_up_proj" in names
+    if cfg.is_hybrid:
+        entries = hybrid_layer_table(cfg, fused_experts)
+    else:
+        entries = [(suffix, path, transform) for suffix, (path, transform) in LAYER_TABLE.items()]
+    for suffix, path, transform in entries:
+        yield prefix + suffix, Target((*stack, *path), (index,), transform)
+    for e in range(0 if cfg.moe is None or fused_experts else cfg.moe.num_experts):
         for suffix, (path, transform) in ROUTED_EXPERT.items():
-            yield f"{prefix}mlp.experts.{e}.{suffix}", Target((*stack, "layers", *path), (index, e), transform)
+            yield f"{prefix}mlp.experts.{e}.{suffix}", Target((*stack, *path), (index, e), transform)
 
 
-def candidate_targets(cfg: ModelConfig) -> Iterator[tuple[str, Target]]:
-    """Every tensor name this model could read, with its target (the caller keeps those whose parameter exists)."""
+def candidate_targets(cfg: ModelConfig, names: frozenset[str] = frozenset()) -> Iterator[tuple[str, Target]]:
+    """Every tensor name this model could read, with its target (the caller keeps those whose parameter exists);
+    a tensor that holds several parameters appears once per parameter. `names`: the checkpoint's tensor names,
+    where the layout depends on them (fused or per-expert experts)."""
+    root = trunk_prefix(cfg)
     for name, (path, transform) in TRUNK_ROOT.items():
-        yield name, Target(path, (), transform)
+        yield name.replace("model.", root, 1), Target(path, (), transform)
     for s, segment in enumerate(cfg.segments()):
-        for j in range(segment.count):
-            yield from _layer_targets(cfg, f"model.layers.{segment.start + j}.", ("segments", str(s)), j)
+        for r in range(segment.count):
+            for j in range(len(segment.kinds)):
+                layer = segment.start + r * len(segment.kinds) + j
+                stack = ("members", str(j)) if segment.scanned_as_group else ("layers",)
+                yield from _layer_targets(cfg, f"{root}layers.{layer}.", ("segments", str(s), *stack), r, names)
     if cfg.has_mtp:
         prefix = mtp_prefix(cfg.mtp.layout, cfg.num_layers)
         for suffix, (path, transform) in MTP_FUSION[cfg.mtp.layout].items():
             yield prefix + suffix, Target(("mtp", *path), (), transform)
-        yield from _layer_targets(cfg, prefix, ("mtp", "block"), 0)
+        layer_prefix = mtp_layer_prefix(cfg.mtp.layout, cfg.num_layers)
+        yield from _layer_targets(cfg, layer_prefix, ("mtp", "block", "layers"), 0, names)
 
 
 @dataclasses.dataclass
 class Plan:
-    """Which checkpoint tensor fills which parameter slot, and which tensors are ignored (and why)."""
+    """Which checkpoint tensor fills which parameter slots (one, or several for a fused tensor), and which tensors
+    are ignored (and why)."""
 
-    targets: dict[str, Target]
+    targets: dict[str, list[Target]]
     ignored: dict[str, str]
 
 
 def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStruct], names: list[str]) -> Plan:
     """Match checkpoint names to the parameter slots of `params` (which may be a subtree of the model's)."""
-    expected = {name: t for name, t in candidate_targets(cfg) if t.path in params}
+    expected: dict[str, list[Target]] = {}
+    for name, t in candidate_targets(cfg, frozenset(names)):
+        if t.path in params:
+            expected.setdefault(name, []).append(t)
     present = set(names)
     missing = [n for n in expected if n not in present]
     if missing:
@@ -99,6 +122,7 @@ def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStru
         if name in expected:
             continue
         reason = next((why for suffix, why in IGNORED_SUFFIXES.items() if name.endswith(suffix)), None)
+        reason = reason or next((why for prefix, why in IGNORED_PREFIXES.items() if name.startswith(prefix)), None)
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             reason = "tied to the embedding"
         if reason is None:
@@ -109,8 +133,9 @@ def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStru
         shown = ", ".join(unexpected[:5]) + (f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else "")
         raise ConversionError(f"unexpected tensors: {shown}")
     filled: dict[ParamPath, set] = {}
-    for t in expected.values():
-        filled.setdefault(t.path, set()).add(t.index)
+    for targets in expected.values():
+        for t in targets:
+            filled.setdefault(t.path, set()).add(t.index)
     for path, spec in params.items():
         if path == ("draft_vocab",):
             continue
@@ -169,8 +194,9 @@ def param_readers(
         params = {path: spec for path, spec in params.items() if path[0] == "mtp"}
     plan = plan_conversion(cfg, params, source.tensor_names())
     by_path: dict[ParamPath, list[tuple[str, Target]]] = {}
-    for name, target in plan.targets.items():
-        by_path.setdefault(target.path, []).append((name, target))
+    for name, targets in plan.targets.items():
+        for target in targets:
+            by_path.setdefault(target.path, []).append((name, target))
     readers = {}
     for path, spec in params.items():
         if path == ("draft_vocab",):

@@ -12,13 +12,17 @@ import numpy as np
 from flax import nnx
 
 from checkpoints_convert.convert import candidate_targets
+from checkpoints_convert.errors import ConversionError
 from checkpoints_convert.key_table import Linear
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
 
 
 def hf_tensors(model: CausalLM, only_mtp: bool = False) -> dict[str, np.ndarray]:
-    """Every parameter of `model` under its HF name, in the HF layout ([out, in] for linears)."""
+    """Every parameter of `model` under its HF name, in the HF layout ([out, in] for linears). Hybrid families
+    (Qwen3-Next, Qwen3.5), whose checkpoints fuse several parameters into one tensor, are refused."""
+    if model.config.is_hybrid:
+        raise ConversionError(f"writing {model.config.family} checkpoints is not supported (fused tensors)")
     flat = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
     tensors = {}
     for name, target in candidate_targets(model.config):

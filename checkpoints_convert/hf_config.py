@@ -15,7 +15,9 @@ from mtp_jax.config import ModelConfig, MoeConfig, MtpConfig, RopeConfig
 
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")
 MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # each mapped by its own module, checkpoints_convert/{type}.py
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+# Hybrid gated-DeltaNet trunks, all mapped by checkpoints_convert/qwen_hybrid.py (its MODEL_TYPES).
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
 REFUSED_MODEL_TYPES = {
     "deepseek_v32": "deepseek_v32 (DeepSeek-V3.2) is not supported yet: its sparse attention indexer is not "
     "implemented (DeepSeek-V3, R1 and V3.1 are: model_type deepseek_v3)",
@@ -145,6 +147,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         raise ConversionError(f"unknown model_type {family!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if family in MOE_MODEL_TYPES:
         return importlib.import_module(f"checkpoints_convert.{family}").model_config(hf)
+    if family in HYBRID_MODEL_TYPES:
+        return importlib.import_module("checkpoints_convert.qwen_hybrid").model_config(hf)
     check_common(hf, HANDLED_KEYS)
     if hf.get("use_sliding_window"):
         raise ConversionError("sliding-window attention (use_sliding_window: true) is not supported")

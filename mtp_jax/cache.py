@@ -1,5 +1,6 @@
-"""Fixed-shape attention caches. Rows write at their own positions; rollback is by length (attention masks
-every slot past the query's position, so rejected drafts are simply overwritten later).
+"""Fixed-shape caches. Attention caches: rows write at their own positions; rollback is by length (attention masks
+every slot past the query's position, so rejected drafts are simply overwritten later). Gated DeltaNet states
+(hybrid trunks, in a `GroupCache`): rollback is by selection, the verify pass giving the state after every position.
 
 Every cache is a pytree whose leaves are [L, B, S, ...] arrays (layer, batch row, slot = absolute position), in the
 order a layer takes them as `past` and returns its new entries (models/causal_lm.py's LayerStack relies on it).
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp_jax.config import LayerKind, ModelConfig
-from mtp_jax.sharding import CACHE, constrain
+from mtp_jax.models.gated_deltanet import DeltaNetState
+from mtp_jax.sharding import CACHE, DELTANET_CONV, DELTANET_STATE, constrain
 
 LATENT_CACHE = ("layers", "batch", "seq", None)  # [L, B, S, C]: no head axis to shard
 
@@ -92,3 +94,41 @@ def attention_cache(kind: LayerKind, num_layers: int, batch: int, slots: int, cf
     """An empty cache for `num_layers` layers of this kind: KVCache for GQA, LatentCache for MLA."""
     cache_class = LatentCache if kind.attention == "mla" else KVCache
     return cache_class.zeros(num_layers, batch, slots, cfg, dtype).constrained()
+
+
+def deltanet_states(num_layers: int, batch: int, cfg: ModelConfig, dtype) -> DeltaNetState:
+    """Zero states of `num_layers` gated DeltaNet layers: conv [L, B, W-1, C], recurrent [L, B, N, H, Y]."""
+    one = DeltaNetState.zeros(batch, cfg.linear_attention, dtype)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_layers, *x.shape)), one)
+
+
+@struct.dataclass
+class GroupCache:
+    """The caches of a repeated layer group (models/hybrid_stack.py), one entry per layer of the group, each stacked
+    over the R repeats: KVCache [R, B, S, K, H] for an attention layer, DeltaNetState (conv [R, B, W-1, C],
+    recurrent [R, B, N, H, Y]) for a gated DeltaNet. Right after a verify pass, the DeltaNet entries hold the state
+    after every block position (conv [R, B, T, W-1, C], recurrent [R, B, T, N, H, Y]) until `keep_verified`."""
+
+    members: tuple
+
+    def constrained(self) -> GroupCache:
+        """Pinned to its layout under active sharding rules: rows over data, kv heads and value heads over model."""
+
+        def pin(entry):
+            if isinstance(entry, DeltaNetState):
+                conv, recurrent = constrain(entry.conv, DELTANET_CONV), constrain(entry.recurrent, DELTANET_STATE)
+                return DeltaNetState(conv=conv, recurrent=recurrent)
+            return entry.constrained()
+
+        return GroupCache(members=tuple(pin(entry) for entry in self.members))
+
+    def keep_verified(self, before: GroupCache, accepted: jax.Array, active: jax.Array) -> GroupCache:
+        """After a verify pass: each DeltaNet keeps, per row, the state after block position accepted[b] ([B] int),
+        and rows not active ([B] bool) their state from `before` exactly; attention entries are kept as written."""
+
+        def keep(entry, old):
+            if not isinstance(entry, DeltaNetState):
+                return entry
+            return jax.vmap(lambda states, prior: states.at(accepted).keep_where(~active, prior))(entry, old)
+
+        return GroupCache(members=tuple(keep(e, o) for e, o in zip(self.members, before.members, strict=True)))

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-MtpLayout = Literal["deepseek", "mimo"]
+MtpLayout = Literal["deepseek", "mimo", "qwen_next"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +67,16 @@ class MlaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """Routed experts (DeepSeek-V3 / GLM-4.5 style) replacing the dense MLP from layer `first_dense_layers` on.
+    """Routed experts replacing the dense MLP from layer `first_dense_layers` on.
 
     Routing: sigmoid scores; the correction bias is added for selection only; experts are picked among the
     `topk_groups` best of `num_groups` groups (a group scores the sum of its two best experts); the picked scores,
     normalised to sum 1 when `norm_topk_prob`, times `routed_scaling_factor`, weight the expert outputs.
     `num_shared_experts` shared experts (one SwiGLU of width num_shared_experts * expert_intermediate_size) see
     every token.
+    scoring "softmax" (Qwen3-Next, Qwen3.5-MoE; models/softmax_moe.py): softmax over every expert, the top
+    `experts_per_token` picked (no bias, no groups), renormalised when `norm_topk_prob`; one shared expert of width
+    `shared_intermediate_size` whose output each token gates with a sigmoid.
     """
 
     num_experts: int
@@ -85,6 +88,13 @@ class MoeConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     first_dense_layers: int = 0
+    scoring: Literal["sigmoid", "softmax"] = "sigmoid"
+    shared_intermediate_size: int = 0
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the shared expert SwiGLU (0: none)."""
+        return self.shared_intermediate_size or self.num_shared_experts * self.expert_intermediate_size
 
     def __post_init__(self):
         if self.num_experts % self.num_groups:
@@ -101,20 +111,79 @@ class MoeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerKind:
-    """What one decoder layer is made of: its attention and its MLP."""
+class GatedDeltaNetConfig:
+    """Shape of a gated DeltaNet layer (HF: linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+    linear_value_head_dim, linear_conv_kernel_dim; the gated norm uses rms_norm_eps)."""
 
-    attention: Literal["gqa", "mla"] = "gqa"
-    mlp: Literal["dense", "moe"] = "dense"
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_key_heads})"
+            )
+        if self.conv_kernel < 1:
+            raise ValueError(f"linear_conv_kernel_dim ({self.conv_kernel}) must be at least 1")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels: q and k of every key head, v of every value head."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What one decoder layer is made of: its token mixer and its MLP.
+
+    attention: "gqa", "mla" (latent), "gated" (GQA with an output gate, Qwen3-Next / 3.5) or "deltanet" (gated
+        DeltaNet linear attention, whose cache is a recurrent state instead of keys and values).
+    mlp: "dense", "moe" (sigmoid-routed, DeepSeek style) or "softmax_moe" (Qwen3-Next / 3.5 style).
+    """
+
+    attention: Literal["gqa", "mla", "gated", "deltanet"] = "gqa"
+    mlp: Literal["dense", "moe", "softmax_moe"] = "dense"
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A run of `count` consecutive layers of one kind, from checkpoint layer `start`: one scanned stack."""
+    """`count` repeats of a group of consecutive layers, from checkpoint layer `start`: one scanned stack.
+
+    kind: the group's first layer kind; `group` lists one kind per layer of a repeat when it has several (a hybrid
+    trunk's "3 DeltaNet layers then 1 attention layer"), and is empty for a plain run of `count` layers of `kind`.
+    """
 
     kind: LayerKind
     start: int
     count: int
+    group: tuple[LayerKind, ...] = ()
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """One kind per layer of a repeat."""
+        return self.group or (self.kind,)
+
+    @property
+    def num_layers(self) -> int:
+        return self.count * len(self.kinds)
+
+    @property
+    def scanned_as_group(self) -> bool:
+        """Run by models/hybrid_stack.py's GroupStack (a group, or recurrent layers); else by a LayerStack."""
+        return bool(self.group) or self.kind.attention == "deltanet"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +200,8 @@ class MtpConfig:
             stored with the head); 0 means the full vocabulary.
     own_embedding / own_head: the MTP layer has its own embedding / output head (the checkpoint's copies differ
             from the trunk's); by default it shares the trunk's.
+    Layout "qwen_next" (Qwen3-Next, Qwen3.5 / 3.6): `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}` and
+            `mtp.layers.0.*`, concat [e, h].
     """
 
     layout: MtpLayout = "deepseek"
@@ -151,6 +222,9 @@ class ModelConfig:
 
     Attention is grouped-query unless `mla` is set; MLPs are dense SwiGLUs unless `moe` is set, in which case layers
     from `moe.first_dense_layers` on are routed-expert layers. `segments()` groups the layers into runs of one kind.
+    Hybrid trunks (Qwen3-Next, Qwen3.5 / 3.6): `layer_types` names each layer "linear_attention" (a gated DeltaNet
+    of shape `linear_attention`) or "full_attention" (gated when `gated_attention`); `zero_centered_norms`: every
+    RMSNorm multiplies by (1 + w).
     """
 
     family: str
@@ -174,6 +248,10 @@ class ModelConfig:
     mtp: MtpConfig | None = None
     mla: MlaConfig | None = None
     moe: MoeConfig | None = None
+    linear_attention: GatedDeltaNetConfig | None = None
+    layer_types: tuple[str, ...] = ()
+    gated_attention: bool = False
+    zero_centered_norms: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -185,6 +263,13 @@ class ModelConfig:
             raise ValueError("interleaved rotary is only supported with multi-head latent attention")
         if self.rotary_dim % 2 or self.rotary_dim < 2:
             raise ValueError(f"the rotary dims per head ({self.rotary_dim}) must be even and at least 2")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported (linear_attention, full_attention)")
+        if "linear_attention" in self.layer_types and self.linear_attention is None:
+            raise ValueError("linear_attention layers need the gated DeltaNet shape (linear_attention)")
 
     @property
     def rotary_dim(self) -> int:
@@ -197,14 +282,21 @@ class ModelConfig:
         """The kind of trunk layer `index` (index `num_layers` and beyond: the MTP layers, always MoE when the
         model has experts)."""
         moe = self.moe is not None and index >= min(self.moe.first_dense_layers, self.num_layers)
-        return LayerKind(attention="gqa" if self.mla is None else "mla", mlp="moe" if moe else "dense")
+        mlp = ("softmax_moe" if self.moe.scoring == "softmax" else "moe") if moe else "dense"
+        if index < len(self.layer_types) and self.layer_types[index] == "linear_attention":
+            return LayerKind(attention="deltanet", mlp=mlp)
+        attention = "gated" if self.gated_attention else "gqa" if self.mla is None else "mla"
+        return LayerKind(attention=attention, mlp=mlp)
 
     @property
     def mtp_layer_kind(self) -> LayerKind:
         return self.layer_kind(self.num_layers)
 
     def segments(self) -> tuple[Segment, ...]:
-        """The trunk's layers as runs of one kind, in order."""
+        """The trunk's layers as runs of one kind, in order; a hybrid trunk's as repeated groups (`hybrid_segments`)."""
+        kinds = [self.layer_kind(i) for i in range(self.num_layers)]
+        if any(kind.attention == "deltanet" for kind in kinds):
+            return hybrid_segments(kinds)
         segments: list[Segment] = []
         for i in range(self.num_layers):
             kind = self.layer_kind(i)
@@ -217,6 +309,11 @@ class ModelConfig:
     @property
     def has_mtp(self) -> bool:
         return self.mtp is not None and self.mtp.num_layers > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some trunk layers are gated DeltaNets (a recurrent state to roll back by selection)."""
+        return "linear_attention" in self.layer_types
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -231,8 +328,32 @@ class ModelConfig:
         raw["mtp"] = MtpConfig(**raw["mtp"]) if raw.get("mtp") else None
         raw["mla"] = MlaConfig(**raw["mla"]) if raw.get("mla") else None
         raw["moe"] = MoeConfig(**raw["moe"]) if raw.get("moe") else None
+        linear = raw.get("linear_attention")
+        raw["linear_attention"] = GatedDeltaNetConfig(**linear) if linear else None
+        raw["layer_types"] = tuple(raw.get("layer_types", ()))
         raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
         return cls(**raw)
+
+
+def hybrid_segments(kinds: list[LayerKind]) -> tuple[Segment, ...]:
+    """Layers of a hybrid trunk as few scanned segments: from each start, the repeated group (a group of p layers
+    repeated c >= 2 times, or a single layer's run) that covers the most layers, the shorter group on ties."""
+    segments: list[Segment] = []
+    start = 0
+    while start < len(kinds):
+        best = (1, 1)  # (group length, repeats)
+        for period in range(1, (len(kinds) - start) + 1):
+            group = kinds[start : start + period]
+            repeats = 1
+            while kinds[start + repeats * period : start + (repeats + 1) * period] == group:
+                repeats += 1
+            if (period == 1 or repeats >= 2) and period * repeats > best[0] * best[1]:
+                best = (period, repeats)
+        period, repeats = best
+        group = tuple(kinds[start : start + period])
+        segments.append(Segment(group[0], start, repeats, group if period > 1 else ()))
+        start += period * repeats
+    return tuple(segments)
 
 
 @dataclasses.dataclass(frozen=True)

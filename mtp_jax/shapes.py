@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mtp_jax.config import MlaConfig, ModelConfig, MoeConfig, MtpConfig, RopeConfig
+from mtp_jax.config import GatedDeltaNetConfig, MlaConfig, ModelConfig, MoeConfig, MtpConfig, RopeConfig
 
 
 def tiny() -> ModelConfig:
@@ -137,10 +137,63 @@ def deepseek_v3_slice() -> ModelConfig:
     )
 
 
+def _qwen_hybrid(num_layers: int, **shape) -> ModelConfig:
+    """A Qwen3.5 / 3.6 dense hybrid trunk: 3 gated DeltaNet layers then 1 gated attention layer, repeated."""
+    linear = shape.pop("linear")
+    return ModelConfig(
+        family="qwen3_5",
+        num_layers=num_layers,
+        rope=RopeConfig(theta=10_000_000.0, partial_factor=0.25),
+        mtp=MtpConfig(layout="qwen_next", recurse_normed=True),
+        linear_attention=linear,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)),
+        gated_attention=True,
+        zero_centered_norms=True,
+        **shape,
+    )
+
+
+def qwen3_5_tiny() -> ModelConfig:
+    """Test size (configs/tiny/qwen3_5.json has 4 layers, 2 groups of 2): 8 layers, 2 groups of (3 DeltaNet, 1
+    gated attention), hidden 64, vocab 256, its MTP layer."""
+    return _qwen_hybrid(
+        8,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        eos_token_ids=(2,),
+        tie_word_embeddings=True,
+        linear=GatedDeltaNetConfig(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16),
+    )
+
+
+def qwen3_6_27b_slice() -> ModelConfig:
+    """Qwen3.6-27B (= Qwen3.5-27B's shape) at real width, 8 of its 64 layers (2 groups of 3 DeltaNet + 1 gated
+    attention) plus its MTP layer: about 6.0B parameters, 12 GB in bfloat16."""
+    return _qwen_hybrid(
+        8,
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_heads=24,
+        num_kv_heads=4,
+        head_dim=256,
+        max_position_embeddings=262144,
+        eos_token_ids=(248044,),
+        linear=GatedDeltaNetConfig(num_key_heads=16, num_value_heads=48, key_head_dim=128, value_head_dim=128),
+    )
+
+
 SHAPES: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "smollm2-135m": smollm2_135m,
     "mimo-7b": mimo_7b,
     "deepseek-v3-tiny": deepseek_v3_tiny,
     "deepseek-v3-slice": deepseek_v3_slice,
+    "qwen3.5-tiny": qwen3_5_tiny,
+    "qwen3.6-27b-slice": qwen3_6_27b_slice,
 }

@@ -102,12 +102,28 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("expert_gate",): ("experts", "embed", "mlp"),
     ("expert_up",): ("experts", "embed", "mlp"),
     ("expert_down",): ("experts", "mlp", "embed"),
+    # gated attention (Qwen3-Next, Qwen3.5): the output gate has the query's layout
+    ("attn", "gate_proj"): ("embed", "heads", "head_dim"),
+    # softmax-routed experts: the shared expert's per-token gate
+    ("shared", "gate"): ("embed",),
+    # gated DeltaNet: q, k, v channels (conv in and out) whole; the per-value-head projections over heads
+    ("in_proj_qkv",): ("embed", None),  # [D, C]
+    ("conv",): (None, None),  # [W, C]
+    ("in_proj_z",): ("embed", "heads", None),  # [D, N, Y]
+    ("in_proj_b",): ("embed", "heads"),  # [D, N]
+    ("in_proj_a",): ("embed", "heads"),
+    ("dt_bias",): ("heads",),
+    ("A_log",): ("heads",),
+    ("attn", "norm", "scale"): (None,),  # [Y] the gated output norm, per value-head dim
+    ("out_proj",): ("heads", None, "embed"),  # [N, Y, D]
 }
 
 # Activation and cache layouts the code constrains (checked for collisions with the parameters' layouts).
 HIDDEN = ("batch", "seq", "embed")  # [B, T, D]
 KV = ("batch", "seq", "kv_heads", "head_dim")  # [B, T, K, H]
 CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")  # [L, B, S, K, H]
+DELTANET_CONV = ("layers", "batch", None, None)  # [L, B, W-1, C]: channels mix q, k and v of every head
+DELTANET_STATE = ("layers", "batch", "heads", None, None)  # [L, B, N, H, Y] over value heads
 LOGITS = ("batch", ..., "vocab")  # [B, ..., V]
 
 
@@ -148,7 +164,7 @@ class ShardingRules:
             for axis in self.mesh_axes(name):
                 if axis not in self.mesh.axis_names:
                     raise ValueError(f"rules map {name} to mesh axis {axis!r}, which mesh {self.mesh.axis_names} lacks")
-        for layout in (*PARAM_AXES.values(), HIDDEN, KV, CACHE, LOGITS):
+        for layout in (*PARAM_AXES.values(), HIDDEN, KV, CACHE, DELTANET_CONV, DELTANET_STATE, LOGITS):
             self.spec(layout)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ One round (k = num_draft):
      valid slot (position n - 1: h[n-1] with x_n) gives draft d_1.
   2. k - 1 more single-token MTP steps, each feeding back its own hidden, give d_2..d_k.
   3. The trunk verifies [x_n, d_1..d_k] at positions n..n+k in one pass.
-  4. Accept a drafts plus one token from the target; clip at EOS and at max_new_tokens.
+  4. Accept a drafts plus one token from the target; clip at EOS and at max_new_tokens. Attention caches roll
+     back by length; recurrent states (hybrid trunks) by selection: the verify pass kept the state after every
+     block position and each row keeps the one after its a + 1 inputs (`CausalLM.keep_verified`).
   5. The verify hiddens and accepted tokens become the next MTP block; n advances by a + 1.
 k = 0 skips 1-2 and is plain decoding through the same code.
 Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and switches between them on device
@@ -64,7 +66,7 @@ class LoopState:
     finished_by_eos: jax.Array  # [B] bool
     position: jax.Array  # [B] slot of the pending token
     pending: jax.Array  # [B] last generated token, not yet in the trunk cache
-    cache: KVCache  # trunk, [L, B, S, K, H]
+    cache: KVCache  # trunk, [L, B, S, K, H] (or per segment; hybrid trunks: GroupCache with DeltaNet states)
     mtp_cache: KVCache | None  # [1, B, S, K, H]
     mtp_hidden: jax.Array | None  # [B, k+1, D]
     mtp_tokens: jax.Array | None  # [B, k+1]
@@ -138,7 +140,7 @@ class _Round:
         target probabilities [B, j+1, V] or None when greedy)."""
         inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, j+1]
         positions = s.position[:, None] + jnp.arange(self.k + 1)
-        hidden, cache = self.model.trunk(inputs, positions, cache)
+        hidden, cache = self.model.trunk(inputs, positions, cache, every_state=True)
         logits = self.model.logits(hidden)  # [B, j+1, V]
         if self.sampling is None:
             accepted, token = greedy_accept(drafts, logits)
@@ -162,6 +164,8 @@ class _Round:
         else:
             drafts, draft_probs, mtp_cache = jnp.zeros((batch, 0), jnp.int32), None, None
         accepted, token, hidden, cache, target_probs = self.verify(s, drafts, draft_probs, s.cache)
+        # Recurrent states roll back by selection: each row keeps the state after its last accepted input.
+        cache = self.model.keep_verified(s.cache, cache, accepted, active)
 
         # Tokens this round emits: d_1..d_a then the target's token; clipped at EOS and at the budget.
         slot = jnp.arange(k + 1)
@@ -247,7 +251,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
     k = cfg.num_draft
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
     cache = model.new_cache(batch, slots)
-    hidden, cache = model.trunk(prompt_ids, positions, cache)  # [B, P, D]
+    hidden, cache = model.trunk(prompt_ids, positions, cache, lengths=prompt_lens)  # [B, P, D]
     last = prompt_lens - 1
     last_hidden = _gather_rows(hidden, last)  # [B, D]
     logits = model.logits(last_hidden)

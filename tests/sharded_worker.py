@@ -24,12 +24,14 @@ from checkpoints_convert.__main__ import main as convert_main
 from checkpoints_convert.export import save_hf_folder
 from mtp_jax import heads, shapes, sharding
 from mtp_jax.config import MtpConfig
+from tests.hybrid_models import predictable_hybrid_model
 from tests.tiny_models import predictable_model, tiny_config
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=4,model=2", "data=8,model=1")
 DRAFTS = (0, 2)
 ADAPTIVE_MESH = "data=2,model=4"  # adaptive rounds (j = 0 or 1 drafts, switched on device) on this mesh
 MOE_MESH = "data=2,expert=2,model=2"  # the DeepSeek-V3 model decodes with one draft per round on this mesh
+HYBRID_MESH = "data=2,model=4"  # a Qwen3.5-shaped hybrid (DeltaNet states rolled back by selection), two drafts
 NEW_TOKENS = 24
 LENS = np.array([1, 7, 4, 10, 3, 9, 2, 5], np.int32)
 IDS = np.where(np.arange(10) < LENS[:, None], np.random.default_rng(1).integers(0, 24, (8, 10)), 0).astype(np.int32)
@@ -120,6 +122,20 @@ def moe_report() -> dict:
     }
 
 
+def hybrid_report() -> dict:
+    """A predictable hybrid trunk (gated DeltaNet + gated attention groups) on one device and on HYBRID_MESH."""
+    model = predictable_hybrid_model(6)
+    reference, _ = decode(model, 2)
+    sharded = sharding.shard_model(model, sharding.make_mesh(HYBRID_MESH))
+    result, hlo = decode(sharded, 2)
+    return {
+        "reference": reference,
+        "run": {**result, "all_gathers": all_gather_shapes(hlo)},
+        "params": describe_params(sharded),
+        "cache": cache_spec(sharded),
+    }
+
+
 def load_with_head(model, hf: str, head_dir: str, mesh) -> dict:
     """A head saved apart (with a draft vocabulary) attached while loading onto `mesh`, against attaching it to the
     model in memory and sharding the result."""
@@ -148,6 +164,7 @@ def main(out_path: str, workdir: str) -> None:
     adaptive = sharding.shard_model(model, sharding.make_mesh(ADAPTIVE_MESH))
     report["adaptive"], _ = decode(adaptive, 1, adaptive=True)
     report["moe"] = moe_report()
+    report["hybrid"] = hybrid_report()
 
     try:
         mtp_jax.generate(sharding.shard_model(model, sharding.make_mesh("data=4,model=2")), IDS[:6], LENS[:6], None)

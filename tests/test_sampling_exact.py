@@ -27,8 +27,8 @@ from flax import nnx
 from scipy import stats as scipy_stats
 
 import mtp_jax
-from mtp_jax.config import MtpConfig
 from mtp_jax.sampling import SamplingParams
+from tests.hybrid_models import hybrid_config
 from tests.tiny_models import tiny_config
 
 VOCAB = 6
@@ -40,10 +40,13 @@ SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8), (1.2, 4,
 GREEDY_ROWS = 16
 
 
-def make_model(draft_vocab_size: int = 0) -> mtp_jax.CausalLM:
-    """Random weights with a scaled-up embedding, so the conditionals are peaked (top token ~0.7) and differ."""
-    cfg = tiny_config(vocab=VOCAB, eos=()).replace(max_position_embeddings=64)
-    cfg = cfg.replace(mtp=MtpConfig(layout="deepseek", draft_vocab_size=draft_vocab_size))
+def make_model(draft_vocab_size: int = 0, hybrid: bool = False) -> mtp_jax.CausalLM:
+    """Random weights with a scaled-up embedding, so the conditionals are peaked (top token ~0.7) and differ.
+    `hybrid`: a Qwen3.5-shaped trunk (gated DeltaNet and gated attention layers; recurrent states roll back by
+    selection) instead of the dense one."""
+    base = hybrid_config(vocab=VOCAB, eos=(), num_layers=3) if hybrid else tiny_config(vocab=VOCAB, eos=())
+    cfg = base.replace(max_position_embeddings=64)
+    cfg = cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=draft_vocab_size))
     model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(3))
     model.embed[...] = model.embed[...] * 4.0
     if draft_vocab_size:
@@ -111,12 +114,16 @@ def marginal_total_variation(samples: np.ndarray, probs: np.ndarray) -> float:
 
 
 # The adaptive case's costs make its policy draft 3 in the first round and 0 in the rest (rounds_with [3, 0, 0, 1]).
+# k = 2 runs on the hybrid trunk: the same exactness with rejected drafts rolled back in recurrent states.
 @pytest.mark.parametrize(
-    ("num_draft", "draft_vocab_size", "round_costs"),
-    [(0, 0, None), (1, 0, None), (2, 0, None), (3, 0, None), (3, 4, None), (3, 0, (1.0, 1.5, 1.6, 1.7))],
-)
-def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_size, round_costs):
-    model = make_model(draft_vocab_size)
+    ("num_draft", "draft_vocab_size", "round_costs", "hybrid"),
+    [
+        (0, 0, None, False), (1, 0, None, False), (2, 0, None, True), (3, 0, None, False), (3, 4, None, False),
+        (3, 0, (1.0, 1.5, 1.6, 1.7), False),
+    ],
+)  # fmt: skip
+def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_size, round_costs, hybrid):
+    model = make_model(draft_vocab_size, hybrid)
     blocks = [*SETTINGS, (0.0, 0, 1.0)]
     sizes = [ROWS_PER_BLOCK] * len(SETTINGS) + [GREEDY_ROWS]
     per_row = lambda column, dtype: jnp.asarray(np.repeat([b[column] for b in blocks], sizes), dtype)

@@ -19,7 +19,7 @@ import pytest
 
 from checkpoints_convert.export import save_hf_folder
 from mtp_jax import decode, sharding
-from tests.sharded_worker import DRAFTS, IDS, LENS, MESHES, MOE_MESH, NEW_TOKENS, sharded_config
+from tests.sharded_worker import DRAFTS, HYBRID_MESH, IDS, LENS, MESHES, MOE_MESH, NEW_TOKENS, sharded_config
 from tests.tiny_models import predictable_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,6 +178,26 @@ def test_latent_attention_and_experts_on_an_expert_mesh(report):
     for spec in moe["cache"]:  # latents [L, B, S, C]: rows over data, no head axis
         assert spec + [None] * (4 - len(spec)) == [None, "data", None, None]
     gathered = [s for s in moe["run"]["all_gathers"] if math.prod(s) in weight_sizes(moe["params"])]
+    assert not gathered, f"all-gathers of weight size {gathered}"
+
+
+def test_hybrid_states_on_a_mesh(report):
+    """A Qwen3.5-shaped trunk with MTP drafts on data=2,model=4: the same tokens as one device; DeltaNet states with
+    rows over data (recurrent states also value heads over model), value heads of the DeltaNet projections over
+    model; no weight gathered whole."""
+    hybrid = report["hybrid"]
+    run, reference = hybrid["run"], hybrid["reference"]
+    assert (run["tokens"], run["lengths"]) == (reference["tokens"], reference["lengths"])
+    assert run["accepted"] > 0 and run["tokens_spec"][0] == "data"
+    m = int(dict(part.split("=") for part in HYBRID_MESH.split(","))["model"])
+    out_proj = [p for p in hybrid["params"] if p["path"].endswith("attn/out_proj")]
+    for p in out_proj:  # [R, N, Y, D]: value heads over model
+        assert p["shard_shapes"] == [[p["shape"][0], p["shape"][1] // m, *p["shape"][2:]]], p
+    assert out_proj
+    specs = [spec + [None] * (5 - len(spec)) for spec in hybrid["cache"]]
+    assert [None, "data", "model", None, None] in specs  # recurrent [R, B, N, H, Y]
+    assert [None, "data", None, None, None] in specs  # conv [R, B, W-1, C]
+    gathered = [s for s in run["all_gathers"] if math.prod(s) in weight_sizes(hybrid["params"])]
     assert not gathered, f"all-gathers of weight size {gathered}"
 
 

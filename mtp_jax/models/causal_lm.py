@@ -1,8 +1,10 @@
 """The generic decoder (embedding, segments of scanned layer stacks, final norm, lm_head) and its MTP head.
 
-The trunk is a sequence of segments (`ModelConfig.segments()`): runs of consecutive layers of one kind (GQA or
-latent attention; dense or routed-expert MLP), each one stacked and scanned, each with its own cache. A trunk of one
-segment (every dense family) takes and returns that segment's cache itself; several segments, a tuple of caches.
+The trunk is a sequence of segments (`ModelConfig.segments()`): runs of consecutive layers of one kind (GQA, latent
+or gated attention; dense or routed-expert MLP), each one stacked and scanned, each with its own cache; in hybrid
+trunks, repeated groups of gated DeltaNet and gated attention layers (models/hybrid_stack.py), whose cache also
+holds recurrent states. A trunk of one segment (every dense family) takes and returns that segment's cache itself;
+several segments, a tuple of caches.
 
 Forward passes are pure: caches go in and come out; parameters are read only. The decode loop splits a model
 into (graphdef, params) and merges it inside jit.
@@ -14,23 +16,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.cache import attention_cache, write_slots
-from mtp_jax.config import LayerKind, ModelConfig
-from mtp_jax.models.layers import (
-    Attention,
-    DecoderLayer,
-    RMSNorm,
-    SwiGLU,
-    _init,
-    rope_inverse_frequencies,
-    rope_tables,
-)
+from mtp_jax.cache import GroupCache, attention_cache, write_slots
+from mtp_jax.config import LayerKind, ModelConfig, Segment
+from mtp_jax.models.gated_attention import GatedAttention
+from mtp_jax.models.hybrid_stack import MLP_BLOCKS, GroupStack
+from mtp_jax.models.layers import Attention, DecoderLayer, _init, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.mla import MultiHeadLatentAttention
-from mtp_jax.models.moe import MoE
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain
 
-ATTENTION_BLOCKS = {"gqa": Attention, "mla": MultiHeadLatentAttention}
-MLP_BLOCKS = {"dense": SwiGLU, "moe": MoE}
+ATTENTION_BLOCKS = {"gqa": Attention, "mla": MultiHeadLatentAttention, "gated": GatedAttention}
 
 
 class LayerStack(nnx.Module):
@@ -56,8 +50,10 @@ class LayerStack(nnx.Module):
         """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
         return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype)
 
-    def __call__(self, x, positions, rope, cache):
-        """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`)."""
+    def __call__(self, x, positions, rope, cache, lengths=None, every_state: bool = False):
+        """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`).
+        `lengths` and `every_state` concern recurrent layers only (models/hybrid_stack.py): attention caches roll
+        back by length."""
         graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
         past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
 
@@ -75,19 +71,19 @@ class LayerStack(nnx.Module):
 class MtpModule(nnx.Module):
     """One MTP block: fuse norm(embed(next token)) with norm(trunk hidden), one decoder layer, a final norm.
 
-    DeepSeek layout concatenates [e, h]; MiMo's [h, e]. Logits come from the shared lm_head after `final_norm`,
-    and tokens are embedded with the trunk's embedding, unless the checkpoint gave the MTP layer its own copies
-    (`embed` [V, D], `head` [D, V]). The block is a layer of the trunk's kind, with routed experts when the trunk
-    has them.
+    DeepSeek and Qwen3-Next / 3.5 layouts concatenate [e, h]; MiMo's [h, e]. Logits come from the shared lm_head
+    after `final_norm`, and tokens are embedded with the trunk's embedding, unless the checkpoint gave the MTP layer
+    its own copies (`embed` [V, D], `head` [D, V]). The block is a layer of the trunk's kind (gated attention in
+    hybrid trunks), with routed experts when the trunk has them.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         d, v = cfg.hidden_size, cfg.vocab_size
-        self.token_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
-        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.token_norm = model_norm(cfg, d, dtype=dtype)
+        self.hidden_norm = model_norm(cfg, d, dtype=dtype)
         self.proj = nnx.Param(_init(rngs, (2 * d, d), dtype, 2 * d))  # [2D, D]
         self.block = LayerStack(cfg, 1, kind=cfg.mtp_layer_kind, dtype=dtype, rngs=rngs)
-        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.final_norm = model_norm(cfg, d, dtype=dtype)
         self.hidden_first = cfg.mtp.concat_hidden_first
         self.embed = nnx.Param(_init(rngs, (v, d), dtype, 1)) if cfg.mtp.own_embedding else None  # VD
         self.head = nnx.Param(_init(rngs, (d, v), dtype, d)) if cfg.mtp.own_head else None  # DV
@@ -107,6 +103,12 @@ class MtpModule(nnx.Module):
         return x, self.final_norm(x), cache
 
 
+def _segment_stack(cfg: ModelConfig, segment: Segment, dtype, rngs) -> LayerStack | GroupStack:
+    if segment.scanned_as_group:
+        return GroupStack(cfg, segment.kinds, segment.count, dtype=dtype, rngs=rngs)
+    return LayerStack(cfg, segment.count, kind=segment.kind, dtype=dtype, rngs=rngs)
+
+
 class CausalLM(nnx.Module):
     """Decoder trunk (segments of layer stacks) + tied or untied lm_head + optional MTP module."""
 
@@ -114,10 +116,8 @@ class CausalLM(nnx.Module):
         self.config = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
         self.embed = nnx.Param(_init(rngs, (v, d), dtype, 1))  # VD
-        self.segments = nnx.List(
-            [LayerStack(cfg, s.count, kind=s.kind, dtype=dtype, rngs=rngs) for s in cfg.segments()]
-        )
-        self.final_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.segments = nnx.List([_segment_stack(cfg, s, dtype, rngs) for s in cfg.segments()])
+        self.final_norm = model_norm(cfg, d, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(_init(rngs, (d, v), dtype, d))  # DV
         self.mtp = MtpModule(cfg, dtype=dtype, rngs=rngs) if cfg.has_mtp else None
         if cfg.has_mtp and cfg.mtp.draft_vocab_size:
@@ -139,7 +139,8 @@ class CausalLM(nnx.Module):
 
     def new_cache(self, batch: int, slots: int):
         """An empty trunk cache in the model's dtype, per segment: KVCache [L, B, S, K, H] keys and values (GQA) or
-        LatentCache [L, B, S, C] (MLA); a tuple of them when the trunk has several segments."""
+        LatentCache [L, B, S, C] (MLA), or a GroupCache (hybrid layer groups: keys and values, DeltaNet states); a
+        tuple of them when the trunk has several segments."""
         caches = tuple(segment.new_cache(batch, slots, self.dtype) for segment in self.segments)
         return caches[0] if len(caches) == 1 else caches
 
@@ -154,17 +155,40 @@ class CausalLM(nnx.Module):
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
         return constrain(jnp.take(self.embed[...], tokens, axis=0), HIDDEN)
 
-    def trunk(self, tokens: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
-        """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries."""
+    def trunk(
+        self,
+        tokens: jax.Array,  # [B, T]
+        positions: jax.Array,  # [B, T]
+        cache,
+        lengths: jax.Array | None = None,  # [B] valid tokens of right-padded rows (prefill); None: all T
+        every_state: bool = False,
+    ) -> tuple[jax.Array, object]:
+        """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries.
+
+        Recurrent (gated DeltaNet) states end after each row's `lengths` tokens; with `every_state` (a verify
+        block) they are kept after every position instead, until `keep_verified` picks one per row. Attention
+        caches ignore both (they roll back by length)."""
         with jax.named_scope("trunk"):
             x, rope = self.embed_tokens(tokens), self.rope(positions)
             caches = (cache,) if len(self.segments) == 1 else cache
             updated = []
             for i, (segment, segment_cache) in enumerate(zip(self.segments, caches, strict=True)):
                 with jax.named_scope(f"segment_{i}"):
-                    x, segment_cache = segment(x, positions, rope, segment_cache)
+                    x, segment_cache = segment(x, positions, rope, segment_cache, lengths, every_state)
                 updated.append(segment_cache)
             return self.final_norm(x), (updated[0] if len(updated) == 1 else tuple(updated))
+
+    def keep_verified(self, before, after, accepted: jax.Array, active: jax.Array):
+        """The trunk cache after a verify block run with `every_state`: recurrent states as after block position
+        accepted[b] ([B] int) of each row, rows not active ([B] bool) as `before`; attention caches as `after`."""
+        if not self.config.is_hybrid:
+            return after
+        pairs = [(before, after)] if len(self.segments) == 1 else list(zip(before, after, strict=True))
+        kept = [
+            new.keep_verified(old, accepted, active).constrained() if isinstance(new, GroupCache) else new
+            for old, new in pairs
+        ]
+        return kept[0] if len(kept) == 1 else tuple(kept)
 
     def head_weights(self) -> jax.Array:  # [D, V]
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]

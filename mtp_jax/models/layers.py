@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig, RopeConfig
+from mtp_jax.models.norms import ZeroCenteredRMSNorm
 from mtp_jax.sharding import HIDDEN, constrain
 
 
@@ -34,6 +35,13 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.scale[...] * normed.astype(x.dtype)
+
+
+def model_norm(cfg: ModelConfig, dim: int, *, dtype) -> RMSNorm | ZeroCenteredRMSNorm:
+    """The model's RMSNorm over `dim`: weight w, or (1 + w) when the family centres its weights on 0."""
+    if cfg.zero_centered_norms:
+        return ZeroCenteredRMSNorm(dim, cfg.rms_norm_eps, dtype=dtype)
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> jax.Array:
@@ -181,13 +189,13 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x)).
 
     `attention` and `mlp` are the block classes (default: GQA and a dense SwiGLU; see models/causal_lm.py for the
-    latent-attention and routed-expert kinds).
+    latent-attention, gated-attention and routed-expert kinds).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, attention=Attention, mlp=SwiGLU):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.input_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.attn = attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, rope, *past):

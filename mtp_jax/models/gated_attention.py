@@ -1,0 +1,78 @@
+"""Gated full attention (Qwen3-Next, Qwen3.5 / 3.6 `self_attn`): grouped-query attention whose query projection
+also yields a per-head output gate, with zero-centred q/k RMSNorm and (partial) rotary on the leading dims.
+
+    q, gate = x Wq, x Wgate;  k, v = x Wk, x Wv;  q, k = rope(norm(q)), rope(norm(k))
+    out = (softmax(q k^T / sqrt(H)) v * sigmoid(gate)) Wo
+
+The checkpoints store q_proj as [N * 2H, D], each head's query rows followed by its gate rows; the converter
+splits them into q_proj and gate_proj (checkpoints_convert/qwen_hybrid_layout.py: `gated_query`).
+
+Einsum letters: those of layers.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.models.layers import _init, apply_rope
+from mtp_jax.models.mla import past_and_block_probs
+from mtp_jax.models.norms import ZeroCenteredRMSNorm
+
+
+def grouped_attention(
+    q: jax.Array,  # [B, T, N, H] queries, already scaled
+    k: jax.Array,  # [B, T, K, H] this block's keys
+    v: jax.Array,  # [B, T, K, H] this block's values
+    positions: jax.Array,  # [B, T] absolute positions, contiguous per row
+    past_k: jax.Array,  # [B, S, K, H] the cache; slots >= positions[:, 0] are ignored
+    past_v: jax.Array,  # [B, S, K, H]
+) -> jax.Array:
+    """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
+    block itself (one softmax over both, float32)."""
+    b, t, n, h = q.shape
+    q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
+    f32 = jnp.float32
+    past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k.astype(q.dtype), preferred_element_type=f32)
+    block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
+    past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs.astype(q.dtype), past_v.astype(q.dtype))
+    out = out + jnp.einsum("BKGTU,BUKH->BTKGH", block_probs.astype(q.dtype), v)
+    return out.reshape(b, t, n, h)
+
+
+class GatedAttention(nnx.Module):
+    """Qwen3-Next / Qwen3.5 full attention over a fixed-shape cache (same cache and call as layers.Attention)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nnx.Param(_init(rngs, (d, n, h), dtype, d))  # DNH
+        self.gate_proj = nnx.Param(_init(rngs, (d, n, h), dtype, d))  # DNH
+        self.k_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
+        self.v_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
+        self.o_proj = nnx.Param(_init(rngs, (n, h, d), dtype, n * h))  # NHD
+        self.q_norm = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.scale = 1.0 / math.sqrt(h)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, D]
+        positions: jax.Array,  # [B, T]
+        rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, R] over the R rotary dims
+        past_k: jax.Array,  # [B, S, K, H]
+        past_v: jax.Array,  # [B, S, K, H]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
+        with jax.named_scope("gated_attention"):
+            q = self.q_norm(jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...]))
+            k = self.k_norm(jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...]))
+            v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v)
+            out = out * jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", x, self.gate_proj[...]))
+            return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...]), k, v

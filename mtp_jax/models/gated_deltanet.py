@@ -1,0 +1,246 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5 / 3.6): the layer, its cache, and the delta rule in its
+chunked (prefill) and recurrent (decode / verify) forms.
+
+Per token: one projection gives the conv channels (q, k, v), the output gate z, and per value head b and a. The
+channels pass a causal depthwise conv (width W, state: the last W-1 inputs) and SiLU; q and k are L2-normalised
+(q also scaled by H^-1/2); decay g = -exp(A_log) * softplus(a + dt_bias) (log space), beta = sigmoid(b). Each value
+head n keeps a state S [H, Y] and reads key head n // G:
+
+    S <- exp(g) S;   S <- S + k (beta (v - k^T S))^T;   out = S^T q
+
+then the gated norm rmsnorm(out) * w * silu(z) and out_proj. The chunked form computes the same thing 64 tokens
+at a time (a unit-triangular solve within a chunk, one state update per chunk); the recurrent form scans token by
+token and also returns the state after every position, so the speculative loop can keep the state at the accepted
+index.
+
+Einsum letters (with B, T, D of layers.py): C conv channels (q of every key head, then k, then v of every value
+head), W conv width, K key heads, N value heads, G value heads per key head (N / K), H key head dim, Y value head
+dim, I chunks, L and U positions within a chunk (query side, key side).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from mtp_jax.config import GatedDeltaNetConfig
+from mtp_jax.models.layers import _init
+from mtp_jax.models.norms import GatedRMSNorm
+
+CHUNK = 64  # tokens per chunk of the parallel form (as the HF reference)
+L2_EPS = 1e-6  # q/k L2 norm: x * rsqrt(sum(x^2) + eps)
+
+
+@struct.dataclass
+class DeltaNetState:
+    """What a gated DeltaNet layer needs to continue after the last token it saw.
+
+    conv: [B, W-1, C] the last W-1 conv inputs (zeros before the first token), in the activation dtype.
+    recurrent: [B, N, H, Y] float32, the delta-rule state of every value head.
+    Per-position states (returned by `GatedDeltaNet.verify`) carry a T axis after B: conv [B, T, W-1, C],
+    recurrent [B, T, N, H, Y], the state after each of the T tokens.
+    """
+
+    conv: jax.Array
+    recurrent: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, cfg: GatedDeltaNetConfig, dtype) -> DeltaNetState:
+        return cls(
+            conv=jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+            recurrent=jnp.zeros((batch, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32),
+        )
+
+    def at(self, index: jax.Array) -> DeltaNetState:
+        """From per-position states: each row's state after its own position index[b] (index [B] int)."""
+
+        def pick(states: jax.Array) -> jax.Array:  # [B, T, ...] -> [B, ...]
+            rows = index.astype(jnp.int32).reshape(-1, *(1,) * (states.ndim - 1))
+            return jnp.take_along_axis(states, rows, axis=1)[:, 0]
+
+        return jax.tree.map(pick, self)
+
+    def keep_where(self, keep: jax.Array, old: DeltaNetState) -> DeltaNetState:
+        """Rows with keep[b] ([B] bool) take `old`'s state (rows already done), the others this one."""
+
+        def choose(new: jax.Array, previous: jax.Array) -> jax.Array:
+            return jnp.where(keep.reshape(-1, *(1,) * (new.ndim - 1)), previous, new)
+
+        return jax.tree.map(choose, self, old)
+
+
+def causal_conv(
+    x: jax.Array,  # [B, T, C] conv inputs of the new tokens
+    conv_state: jax.Array,  # [B, W-1, C] the inputs before them
+    weight: jax.Array,  # [W, C] depthwise taps, oldest input first
+) -> tuple[jax.Array, jax.Array]:
+    """(SiLU(causal depthwise conv) [B, T, C], the whole input window [B, W-1+T, C]: state then new inputs)."""
+    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
+    width, t = weight.shape[0], x.shape[1]
+    out = sum(window[:, j : j + t].astype(jnp.float32) * weight[j].astype(jnp.float32) for j in range(width))
+    return jax.nn.silu(out).astype(x.dtype), window
+
+
+def conv_states_after(window: jax.Array, counts: jax.Array, state_len: int) -> jax.Array:
+    """window [B, W-1+T, C] (state_len = W-1), counts [B, P] new tokens seen -> [B, P, W-1, C]: for each count, the
+    last W-1 conv inputs once the first counts[b, p] new tokens are in."""
+    rows = counts[:, :, None] + jnp.arange(state_len)  # [B, P, W-1] indices into the window
+    return jnp.take_along_axis(window[:, None], rows[..., None], axis=2)
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def recurrent_delta_rule(
+    q: jax.Array,  # [B, T, N, H] float32, normalised and scaled
+    k: jax.Array,  # [B, T, N, H] float32, normalised
+    v: jax.Array,  # [B, T, N, Y] float32
+    g: jax.Array,  # [B, T, N] float32 log decay (<= 0)
+    beta: jax.Array,  # [B, T, N] float32
+    state: jax.Array,  # [B, N, H, Y] float32
+) -> tuple[jax.Array, jax.Array]:
+    """Token by token: (outputs [B, T, N, Y], the state after every token [B, T, N, H, Y])."""
+
+    def step(s, token):
+        q_t, k_t, v_t, g_t, beta_t = token  # [B, N, H], [B, N, H], [B, N, Y], [B, N], [B, N]
+        s = s * jnp.exp(g_t)[..., None, None]
+        predicted = jnp.einsum("BNHY,BNH->BNY", s, k_t)
+        s = s + jnp.einsum("BNH,BNY->BNHY", k_t, (v_t - predicted) * beta_t[..., None])
+        return s, (jnp.einsum("BNHY,BNH->BNY", s, q_t), s)
+
+    time_major = [jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)]
+    _, (out, states) = jax.lax.scan(step, state, time_major)
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+
+
+def chunked_delta_rule(
+    q: jax.Array,  # [B, T, N, H] float32, normalised and scaled
+    k: jax.Array,  # [B, T, N, H] float32, normalised
+    v: jax.Array,  # [B, T, N, Y] float32
+    g: jax.Array,  # [B, T, N] float32 log decay (<= 0); 0 with beta 0 leaves the state untouched
+    beta: jax.Array,  # [B, T, N] float32
+    state: jax.Array,  # [B, N, H, Y] float32
+) -> tuple[jax.Array, jax.Array]:
+    """CHUNK tokens at a time (any T: zero-padded to whole chunks; T < CHUNK: one chunk of T): (outputs
+    [B, T, N, Y], final state [B, N, H, Y]).
+
+    Within a chunk, with cumulative log decay c and D[l, u] = exp(c_l - c_u) for u <= l (0 above): the delta rule's
+    corrections solve (1 + strictly_lower(beta_l k_l.k_u D)) X = [beta v | beta k exp(c)], so that each chunk needs
+    one read of the state before it and one update after it.
+    """
+    b, t, n = q.shape[:3]
+    size = min(CHUNK, t)  # a block shorter than CHUNK is one chunk of its own length
+    pad = -t % size
+    chunks = (t + pad) // size
+
+    def to_chunks(a: jax.Array) -> jax.Array:  # [B, T, N, ...] -> [B, N, I, L, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(b, chunks, size, *a.shape[2:])
+        return jnp.moveaxis(a, 3, 1)
+
+    q, k, v, g, beta = (to_chunks(a) for a in (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [B, N, I, L]
+    causal = jnp.tril(jnp.ones((size, size), bool))  # [L, U]
+    decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, N, I, L, U]
+
+    system = jnp.einsum("BNILH,BNIUH->BNILU", k_beta, k) * decay  # only its strictly lower part is read
+
+    def solve(rhs: jax.Array) -> jax.Array:
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+    new_values = solve(v_beta)  # [B, N, I, L, Y]
+    key_reads = solve(k_beta * jnp.exp(cum)[..., None])  # [B, N, I, L, H] how much of the state each token reads
+    intra = jnp.einsum("BNILH,BNIUH->BNILU", q, k) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, N, I]
+
+    def step(s, chunk):
+        new_v, reads, q_c, k_c, intra_c, decay_c = chunk
+        corrections = new_v - jnp.einsum("BNLH,BNHY->BNLY", reads, s)
+        out = jnp.einsum("BNLH,BNHY->BNLY", q_c, s) + jnp.einsum("BNLU,BNUY->BNLY", intra_c, corrections)
+        s = s * decay_c[..., None, None] + jnp.einsum("BNLH,BNLY->BNHY", k_c, corrections)
+        return s, out
+
+    per_chunk = [jnp.moveaxis(a, 2, 0) for a in (new_values, key_reads, q_decayed, k_decayed, intra, chunk_decay)]
+    state, out = jax.lax.scan(step, state, per_chunk)  # out [I, B, N, L, Y]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, n, chunks * size, -1)[:, :, :t]
+    return jnp.moveaxis(out, 1, 2), state
+
+
+class GatedDeltaNet(nnx.Module):
+    """The gated DeltaNet token mixer (HF: `linear_attn`), in the canonical parameter layout: the checkpoints'
+    fused or split input projections are reordered into it on conversion
+    (checkpoints_convert/qwen_hybrid_layout.py)."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig, hidden_size: int, *, dtype, rngs: nnx.Rngs | None):
+        d, c, n, y = hidden_size, cfg.conv_dim, cfg.num_value_heads, cfg.value_head_dim
+        self.cfg = cfg
+        self.in_proj_qkv = nnx.Param(_init(rngs, (d, c), dtype, d))  # DC
+        self.in_proj_z = nnx.Param(_init(rngs, (d, n, y), dtype, d))  # DNY
+        self.in_proj_b = nnx.Param(_init(rngs, (d, n), dtype, d))  # DN
+        self.in_proj_a = nnx.Param(_init(rngs, (d, n), dtype, d))  # DN
+        self.conv = nnx.Param(_init(rngs, (cfg.conv_kernel, c), dtype, cfg.conv_kernel))  # WC
+        self.dt_bias = nnx.Param(jnp.ones((n,), dtype))  # [N]
+        self.A_log = nnx.Param(jnp.zeros((n,), dtype))  # [N] decay rate log(A)
+        self.norm = GatedRMSNorm(y, cfg.norm_eps, dtype=dtype)
+        self.out_proj = nnx.Param(_init(rngs, (n, y, d), dtype, n * y))  # NYD
+
+    def _rule_inputs(self, x: jax.Array, state: DeltaNetState):
+        """x [B, T, D] -> (q, k, v, g, beta float32 as the delta rule takes them, z [B, T, N, Y], conv window)."""
+        cfg = self.cfg
+        mixed, window = causal_conv(jnp.einsum("BTD,DC->BTC", x, self.in_proj_qkv[...]), state.conv, self.conv[...])
+        b, t, _ = mixed.shape
+        q, k, v = jnp.split(mixed.astype(jnp.float32), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        groups = cfg.num_value_heads // cfg.num_key_heads
+        q, k = (jnp.repeat(a.reshape(b, t, cfg.num_key_heads, -1), groups, axis=2) for a in (q, k))  # [B,T,N,H]
+        q = l2_normalize(q) / math.sqrt(cfg.key_head_dim)
+        k = l2_normalize(k)
+        v = v.reshape(b, t, cfg.num_value_heads, cfg.value_head_dim)
+        a = jnp.einsum("BTD,DN->BTN", x, self.in_proj_a[...]).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        beta = jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", x, self.in_proj_b[...])).astype(jnp.float32)
+        z = jnp.einsum("BTD,DNY->BTNY", x, self.in_proj_z[...])
+        return q, k, v, g, beta, z, window
+
+    def _output(self, core: jax.Array, z: jax.Array, dtype) -> jax.Array:
+        """core [B, T, N, Y] float32, z [B, T, N, Y] -> [B, T, D]."""
+        gated = self.norm(core.astype(dtype), z)
+        return jnp.einsum("BTNY,NYD->BTD", gated, self.out_proj[...])
+
+    def prefill(
+        self,
+        x: jax.Array,  # [B, T, D]
+        state: DeltaNetState,  # before these tokens
+        lengths: jax.Array | None = None,  # [B] valid tokens per right-padded row; None: all T
+    ) -> tuple[jax.Array, DeltaNetState]:
+        """Chunked form: (output [B, T, D], each row's state after its last valid token). Padding tokens leave the
+        state untouched (beta = g = 0); their outputs are meaningless."""
+        with jax.named_scope("gated_deltanet"):
+            q, k, v, g, beta, z, window = self._rule_inputs(x, state)
+            b, t = x.shape[:2]
+            lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+            valid = (jnp.arange(t) < lengths[:, None])[..., None]  # [B, T, 1]
+            core, recurrent = chunked_delta_rule(
+                q, k, v, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0), state.recurrent
+            )
+            conv = conv_states_after(window, lengths[:, None], self.cfg.conv_kernel - 1)[:, 0]
+            new_state = DeltaNetState(conv=conv.astype(state.conv.dtype), recurrent=recurrent)
+            return self._output(core, z, x.dtype), new_state
+
+    def verify(self, x: jax.Array, state: DeltaNetState) -> tuple[jax.Array, DeltaNetState]:
+        """Recurrent form over a short block x [B, T, D]: (output [B, T, D], the per-position states after each of
+        the T tokens, [B, T, ...]; `DeltaNetState.at` keeps one per row)."""
+        with jax.named_scope("gated_deltanet"):
+            q, k, v, g, beta, z, window = self._rule_inputs(x, state)
+            core, recurrent = recurrent_delta_rule(q, k, v, g, beta, state.recurrent)
+            b, t = x.shape[:2]
+            counts = jnp.broadcast_to(jnp.arange(1, t + 1), (b, t))
+            conv = conv_states_after(window, counts, self.cfg.conv_kernel - 1)
+            states = DeltaNetState(conv=conv.astype(state.conv.dtype), recurrent=recurrent)
+            return self._output(core, z, x.dtype), states

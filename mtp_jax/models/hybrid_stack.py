@@ -1,0 +1,122 @@
+"""Hybrid trunks (Qwen3-Next, Qwen3.5 / 3.6): a layer group (e.g. 3 gated DeltaNet layers then 1 gated attention
+layer) repeated R times, with the parameters of each layer of the group stacked over the repeats and one
+`lax.scan` over the repeats, so a 48- or 64-layer trunk compiles one group body.
+
+A DeltaNet layer runs in one of two modes, chosen by the caller of the trunk:
+  prefill (chunked delta rule): each row's state after its own last valid token (`lengths`, right-padded rows);
+  verify (recurrent, `every_state`): the state after every block position, for `GroupCache.keep_verified`.
+Attention layers write their keys and values at their positions as in models/causal_lm.py's LayerStack.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
+from mtp_jax.config import LayerKind, ModelConfig
+from mtp_jax.models.gated_attention import GatedAttention
+from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
+from mtp_jax.models.layers import DecoderLayer, SwiGLU, model_norm
+from mtp_jax.models.moe import MoE
+from mtp_jax.models.softmax_moe import SoftmaxMoE
+from mtp_jax.sharding import HIDDEN, constrain
+
+MLP_BLOCKS = {"dense": SwiGLU, "moe": MoE, "softmax_moe": SoftmaxMoE}
+
+
+class DeltaNetLayer(nnx.Module):
+    """Pre-norm residual block with a gated DeltaNet token mixer: x + deltanet(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, mlp):
+        self.input_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
+        self.attn = GatedDeltaNet(cfg.linear_attention, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
+        self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, state: DeltaNetState, lengths, every_state: bool) -> tuple[jax.Array, DeltaNetState]:
+        """x [B, T, D] -> (x, the state after each row's `lengths` tokens, or after every position [B, T, ...])."""
+        x = constrain(x, HIDDEN)
+        normed = self.input_norm(x)
+        with jax.named_scope("attention"):
+            if every_state:
+                out, state = self.attn.verify(normed, state)
+            else:
+                out, state = self.attn.prefill(normed, state, lengths)
+        x = x + constrain(out, HIDDEN)
+        with jax.named_scope("mlp"):
+            x = x + constrain(self.mlp(self.post_attention_norm(x)), HIDDEN)
+        return x, state
+
+
+def _stacked(make, count: int, rngs: nnx.Rngs | None):
+    """`count` modules from `make(rngs)` with their parameters stacked on a leading axis."""
+    if rngs is None:
+        return nnx.vmap(lambda _: make(None), in_axes=0, out_axes=0)(jax.numpy.arange(count))
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(layer_rngs):
+        return make(layer_rngs)
+
+    return build(rngs)
+
+
+def _make_layer(cfg: ModelConfig, kind: LayerKind, dtype):
+    mlp = MLP_BLOCKS[kind.mlp]
+    if kind.attention == "deltanet":
+        return lambda rngs: DeltaNetLayer(cfg, dtype=dtype, rngs=rngs, mlp=mlp)
+    if kind.attention != "gated":
+        raise ValueError(f"a hybrid layer group holds gated DeltaNet and gated attention layers, not {kind.attention}")
+    return lambda rngs: DecoderLayer(cfg, dtype=dtype, rngs=rngs, attention=GatedAttention, mlp=mlp)
+
+
+class GroupStack(nnx.Module):
+    """`repeats` repeats of a group of layers (`kinds`, one per layer); `members[j]` is layer j of the group with
+    parameters stacked over the repeats (leading axis R)."""
+
+    def __init__(self, cfg: ModelConfig, kinds: tuple[LayerKind, ...], repeats: int, *, dtype, rngs: nnx.Rngs | None):
+        self.config, self.kinds, self.repeats = cfg, kinds, repeats
+        self.members = nnx.List([_stacked(_make_layer(cfg, kind, dtype), repeats, rngs) for kind in kinds])
+
+    def new_cache(self, batch: int, slots: int, dtype) -> GroupCache:
+        """Empty caches: KVCache [R, B, S, K, H] per attention layer, zero DeltaNetStates [R, B, ...] per DeltaNet."""
+        members = tuple(
+            deltanet_states(self.repeats, batch, self.config, dtype)
+            if kind.attention == "deltanet"
+            else KVCache.zeros(self.repeats, batch, slots, self.config, dtype)
+            for kind in self.kinds
+        )
+        return GroupCache(members=members).constrained()
+
+    def __call__(self, x, positions, rope, cache: GroupCache, lengths=None, every_state: bool = False):
+        """x [B, T, D] through every repeat of the group; returns (x, the cache after these tokens: attention entries
+        written at `positions`, DeltaNet states as the mode gives them)."""
+        split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
+        graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
+        past = cache.constrained().members
+
+        def run(x, repeat_inputs):
+            params, entries = repeat_inputs
+            new = []
+            for j, kind in enumerate(self.kinds):
+                layer = nnx.merge(graphdefs[j], params[j])
+                with jax.named_scope(f"layer_{j}"):
+                    if kind.attention == "deltanet":
+                        x, state = layer(x, entries[j], lengths, every_state)
+                        new.append(state)
+                    else:
+                        x, k, v = layer(x, positions, rope, entries[j].k, entries[j].v)
+                        new.append((k, v))
+            return x, tuple(new)
+
+        x, new = jax.lax.scan(run, x, (stacked, past))  # DeltaNet: states [R, B, ...]; attention: [R, B, T, K, H]
+        members = []
+        for kind, old, entry in zip(self.kinds, past, new, strict=True):
+            if kind.attention == "deltanet":
+                members.append(entry)
+            else:
+                k, v = entry
+                members.append(KVCache(k=write_slots(old.k, k, positions), v=write_slots(old.v, v, positions)))
+        updated = GroupCache(members=tuple(members))
+        return x, (updated if every_state else updated.constrained())

@@ -1,0 +1,56 @@
+"""Softmax-routed mixture of experts with a gated shared expert (Qwen3-Next, Qwen3.5 / 3.6 MoE).
+
+Routing: softmax over every expert's logit (float32), the top `experts_per_token` picked, their probabilities
+renormalised to sum 1 when `norm_topk_prob`. The experts run as in models/moe.py (rows sorted by expert, grouped
+matmuls); the shared expert, a SwiGLU of width `MoeConfig.shared_width`, is scaled per token by sigmoid(x . w_gate).
+
+Einsum letters: those of layers.py and moe.py (M tokens, E experts, O picks per token).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.models.layers import SwiGLU, _init
+from mtp_jax.models.moe import MoE
+
+
+class GatedSharedExpert(nnx.Module):
+    """sigmoid(x . w) * SwiGLU(x): a shared expert whose contribution each token gates itself."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, width: int):
+        self.mlp = SwiGLU(cfg, dtype=dtype, rngs=rngs, width=width)
+        self.gate = nnx.Param(_init(rngs, (cfg.hidden_size,), dtype, cfg.hidden_size))  # [D]
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+        gate = jax.nn.sigmoid(jnp.einsum("BTD,D->BT", x, self.gate[...]))
+        return gate[..., None] * self.mlp(x)
+
+
+class SoftmaxMoE(MoE):
+    """models/moe.py's experts and forward pass with softmax top-k routing and a gated shared expert (no
+    correction bias, no expert groups)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        m, d = cfg.moe, cfg.hidden_size
+        e, f = m.num_experts, m.expert_intermediate_size
+        self.router = nnx.Param(_init(rngs, (d, e), dtype, d))  # DE
+        self.expert_gate = nnx.Param(_init(rngs, (e, d, f), dtype, d))  # EDF
+        self.expert_up = nnx.Param(_init(rngs, (e, d, f), dtype, d))  # EDF
+        self.expert_down = nnx.Param(_init(rngs, (e, f, d), dtype, f))  # EFD
+        shared_width = m.shared_width
+        self.shared = GatedSharedExpert(cfg, dtype=dtype, rngs=rngs, width=shared_width) if shared_width else None
+        self.routing = m
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [M, D] -> (weights [M, O] float32, expert ids [M, O] int32)."""
+        r = self.routing
+        f32 = jnp.float32
+        probs = jax.nn.softmax(jnp.einsum("MD,DE->ME", x.astype(f32), self.router[...].astype(f32)), axis=-1)
+        weights, experts = jax.lax.top_k(probs, r.experts_per_token)
+        if r.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights * r.routed_scaling_factor, experts.astype(jnp.int32)
