@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import os
 
+# Tests run tiny models, where XLA's compile time dwarfs run time: compile with most optimizations off (also in the
+# subprocesses and notebook kernels the tests start, which inherit the environment). Benchmarks never run this way.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 import pytest
 
 from mtp_jax.errors import UserError
+
+
+def pytest_sessionstart(session):
+    """Fetch the default model once, before any test worker starts (xdist workers would race for it)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from mtp_jax.default_model import default_gguf_path
+
+    try:
+        default_gguf_path()
+    except UserError:
+        pass  # the smollm2_path fixture reports it where a test needs the model
 
 
 @pytest.fixture(scope="session")
