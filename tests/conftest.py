@@ -54,3 +54,14 @@ def default_model(smollm2_path):
     from mtp_jax import checkpoint
 
     return checkpoint.load(smollm2_path, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny ops: torch's thread pool only adds spin-waiting (much of it when the cores are shared)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,12 +25,7 @@ SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_
 MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=12, shared_expert_intermediate_size=24)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def _ours_config(hf, moe: MoeConfig | None = None) -> ModelConfig:

@@ -25,12 +25,7 @@ PROMPT_LENS = (5, 12, 9)
 VOCAB = MOE_SHAPE["vocab_size"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -58,13 +58,7 @@ def _randomize(model: torch.nn.Module) -> None:
             p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny ops: torch's thread pool only adds spin-waiting (much of it when the cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=list(CASES))
