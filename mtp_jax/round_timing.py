@@ -39,7 +39,12 @@ def _repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draf
         return jax.lax.fori_loop(0, iterations, lambda _, s: step(s), state)
     if part == "verify":
         drafts = jnp.zeros((state.pending.shape[0], num_draft), jnp.int32)  # [B, j]: the values do not matter
-        verify = lambda _, cache: step.verify(state, drafts, None, cache)[3]
+        active = jnp.ones(state.pending.shape, bool)
+
+        def verify(_, cache):  # the trunk pass, then each row's recurrent states kept (hybrid trunks), as a round does
+            accepted, _, _, verified, _ = step.verify(state, drafts, None, cache)
+            return model.keep_verified(cache, verified, accepted, active)
+
         return jax.lax.fori_loop(0, iterations, verify, state.cache)
     draft = lambda _, mtp_cache: step.draft(state.replace(mtp_cache=mtp_cache))[2]
     return jax.lax.fori_loop(0, iterations, draft, state.mtp_cache)

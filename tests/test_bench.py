@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from flax import nnx
 
 import mtp_jax
 from checkpoints_convert.export import save_hf_folder
 from mtp_jax.bench import main as bench_main
+from mtp_jax.round_timing import RoundTimer
 from mtp_jax.shapes import SHAPES
+from tests.hybrid_models import predictable_hybrid_model
 
 POSITIVE_FIELDS = ("tokens_per_second", "ms_per_round", "mean_accepted_length", "wall_seconds", "speedup_vs_plain")
 
@@ -100,3 +103,11 @@ def test_bench_bad_input_is_one_line(argv, capsys):
     assert bench_main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and len(err.splitlines()) == 1
+
+
+def test_round_parts_time_a_hybrid_trunk():
+    """The split timer runs a hybrid trunk's parts (its verify pass keeps per-position recurrent states, then picks
+    one per row, as a round does)."""
+    ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
+    split = RoundTimer(predictable_hybrid_model(0), ids, lens, 8, iterations=2, repeats=1).split(2)
+    assert all(math.isfinite(v) and v > 0 for v in split.values()), split
