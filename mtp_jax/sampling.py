@@ -37,12 +37,9 @@ def _per_row(x: jax.Array, ndim: int) -> jax.Array:
     return x.reshape(x.shape + (1,) * (ndim - 1))
 
 
-def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Transformed distribution [B, ..., V] (float32) of logits [B, ..., V]; one-hot argmax for greedy rows."""
-    ndim = logits.ndim
-    vocab = logits.shape[-1]
-    greedy = _per_row(params.temperature <= 0, ndim)
-    scaled = logits / _per_row(jnp.where(params.temperature > 0, params.temperature, 1.0), ndim)
+def _truncate(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """Tempered logits [B, ..., V] with the tokens outside each row's top-k and top-p set to -inf."""
+    ndim, vocab = scaled.ndim, scaled.shape[-1]
     descending = -jnp.sort(-scaled, axis=-1)  # [B, ..., V]
     # top-k: keep logits >= the k-th largest.
     k = _per_row(jnp.clip(params.top_k, 0, vocab), ndim)
@@ -53,7 +50,18 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_before < _per_row(params.top_p, ndim)
     cutoff = jnp.min(jnp.where(keep_sorted, descending, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
+
+
+def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Transformed distribution [B, ..., V] (float32) of logits [B, ..., V]; one-hot argmax for greedy rows. The
+    vocabulary sort that top-k / top-p need runs only when some row of the batch truncates."""
+    ndim = logits.ndim
+    vocab = logits.shape[-1]
+    greedy = _per_row(params.temperature <= 0, ndim)
+    scaled = logits / _per_row(jnp.where(params.temperature > 0, params.temperature, 1.0), ndim)
+    truncating = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+    scaled = jax.lax.cond(truncating, _truncate, lambda s, _: s, scaled, params)
     probs = jax.nn.softmax(scaled, axis=-1)
     return jnp.where(greedy, jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=probs.dtype), probs)
 

@@ -13,7 +13,7 @@ from flax import nnx
 import mtp_jax
 from checkpoints_convert.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
-from mtp_jax.sampling import SamplingParams
+from mtp_jax.sampling import SamplingParams, probabilities
 from tests.tiny_models import tiny_config
 
 PROMPTS = np.array([[5, 6, 7, 8], [9, 10, 11, 12], [5, 6, 7, 8], [13, 14, 15, 16]], np.int32)
@@ -29,6 +29,21 @@ def model():
 def params(temperature, top_k, top_p) -> SamplingParams:
     return SamplingParams(temperature=jnp.asarray(temperature, jnp.float32), top_k=jnp.asarray(top_k, jnp.int32),
                           top_p=jnp.asarray(top_p, jnp.float32))  # fmt: skip
+
+
+def test_probabilities_with_and_without_truncation():
+    """Temperature-only rows are softmax(logits / T), whether or not another row of the batch truncates (the sort
+    then runs for the whole batch); a top-k row keeps its k largest; greedy rows are one-hot."""
+    logits = jax.random.normal(jax.random.key(0), (3, 2, 50)) * 3.0  # [B, T, V]
+    expected = np.asarray(jax.nn.softmax(logits / 0.8, axis=-1))
+    untruncated = probabilities(logits, params([0.8, 0.8, 0.0], [0, 0, 0], [1.0, 1.0, 1.0]))
+    np.testing.assert_allclose(np.asarray(untruncated[:2]), expected[:2], rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(untruncated[2]), np.asarray(jax.nn.one_hot(logits[2].argmax(-1), 50)))
+    mixed = np.asarray(probabilities(logits, params([0.8, 0.8, 0.0], [0, 5, 0], [1.0, 1.0, 1.0])))
+    np.testing.assert_allclose(mixed[0], expected[0], rtol=1e-5, atol=1e-7)
+    top5 = np.argsort(-np.asarray(logits[1]), axis=-1)[:, :5]
+    assert ((mixed[1] > 0).sum(-1) == 5).all() and (np.take_along_axis(mixed[1], top5, -1) > 0).all()
+    np.testing.assert_allclose(mixed[1].sum(-1), 1.0, rtol=1e-6)
 
 
 def test_rows_keep_their_own_settings_and_streams(model):
