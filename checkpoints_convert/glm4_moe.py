@@ -9,7 +9,7 @@ embedding and head copies: the trunk's are used). Key names: checkpoints_convert
 from __future__ import annotations
 
 from checkpoints_convert.deepseek_v3 import BASE_KEYS, MOE_KEYS
-from checkpoints_convert.hf_config import check_common, eos_ids_from_hf, moe_from_hf, rope_from_hf
+from checkpoints_convert.hf_config import check_common, eos_ids_from_hf, gqa_shape, moe_from_hf, rope_from_hf
 from mtp_jax.config import ModelConfig, MtpConfig
 
 GLM_KEYS = BASE_KEYS | MOE_KEYS | {"use_qk_norm", "partial_rotary_factor"}
@@ -17,16 +17,10 @@ GLM_KEYS = BASE_KEYS | MOE_KEYS | {"use_qk_norm", "partial_rotary_factor"}
 
 def model_config(hf: dict) -> ModelConfig:
     check_common(hf, GLM_KEYS)
-    num_heads = int(hf["num_attention_heads"])
     return ModelConfig(
         family="glm4_moe",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
+        **gqa_shape(hf),
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         rope=rope_from_hf(hf, partial_default=0.5),
         qkv_bias=bool(hf.get("attention_bias", False)),

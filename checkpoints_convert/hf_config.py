@@ -55,6 +55,19 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def gqa_shape(hf: dict) -> dict:
+    """The ModelConfig fields every grouped-query family reads alike: vocabulary, width, depth, heads, head_dim."""
+    num_heads = int(hf["num_attention_heads"])
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+    )
+
+
 def rope_from_hf(hf: dict, *, partial_default: float = 1.0, interleaved: bool = False) -> RopeConfig:
     """`rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older configs) -> RopeConfig."""
     params = dict(hf.get("rope_parameters") or {})
@@ -156,20 +169,14 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if other_layers:
         raise ConversionError(f"layer types {sorted(other_layers)} are not supported (only full_attention)")
 
-    num_heads = int(hf["num_attention_heads"])
     attention_bias = bool(hf.get("attention_bias", False))
     num_mtp = int(hf.get("num_nextn_predict_layers") or 0)
     mtp = MtpConfig(layout="mimo" if family == "mimo" else "deepseek", num_layers=1) if num_mtp else None
     is_qwen2 = family in ("qwen2", "mimo")
     return ModelConfig(
         family=family,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
+        **gqa_shape(hf),
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=rope_from_hf(hf),
         qkv_bias=True if is_qwen2 else attention_bias,

@@ -12,7 +12,7 @@ Key names: checkpoints_convert/key_table.py (HYBRID_*), layouts: checkpoints_con
 from __future__ import annotations
 
 from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.hf_config import HANDLED_KEYS, check_common, eos_ids_from_hf, rope_from_hf
+from checkpoints_convert.hf_config import HANDLED_KEYS, check_common, eos_ids_from_hf, gqa_shape, rope_from_hf
 from mtp_jax.config import GatedDeltaNetConfig, ModelConfig, MoeConfig, MtpConfig
 
 VLM_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # text config under `text_config`, trunk under model.language_model.
@@ -93,7 +93,7 @@ def model_config(hf: dict) -> ModelConfig:
     num_mtp = int(text.get("mtp_num_hidden_layers", 1) or 0)
     if num_mtp > 1:
         raise ConversionError(f"mtp_num_hidden_layers = {num_mtp}: only one MTP module is supported")
-    num_layers, num_heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+    num_layers = int(text["num_hidden_layers"])
     try:
         linear = GatedDeltaNetConfig(
             num_key_heads=int(text["linear_num_key_heads"]),
@@ -105,13 +105,8 @@ def model_config(hf: dict) -> ModelConfig:
         )
         return ModelConfig(
             family=family,
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=int(text["hidden_size"]),
+            **gqa_shape(text),
             intermediate_size=int(text.get("intermediate_size") or 0),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
-            head_dim=int(text.get("head_dim") or text["hidden_size"] // num_heads),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             # Qwen3.5's rotary is an interleaved mrope; for text, all three position streams are the token's
             # position and it reduces to plain rotary on the leading partial_rotary_factor of each head.
