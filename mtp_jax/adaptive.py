@@ -2,8 +2,10 @@
 round with j drafts, so drafting stops where it does not pay (large batches, a head that does not fit the text).
 
 With conditional acceptance a_i at depth i, a round with j drafts emits E(j) = 1 + a_0 + a_0 a_1 + ... tokens on
-average (the bonus included) and costs c(j) plain steps; the policy picks argmax E(j) / c(j). Any j per round keeps
-the output exact (each round is a complete speculative step), so the choice only moves speed.
+average (the bonus included) and costs c(j) plain steps; the policy picks argmax E(j) / c(j). When no j >= 1 pays,
+the loop rests: plain steps that skip the MTP layer (their hiddens queue in the MTP block), with a probe through the
+MTP layer once the block is full, so a head that does not pay costs a fraction of the MTP layer, not all of it.
+Any round keeps the output exact (each is a complete speculative step), so the choice only moves speed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from flax import struct
 
 PRIOR_RATE = 0.5  # acceptance at depth 0 assumed before any evidence ...
 PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
-DECAY = 0.9  # per round: recent rounds count more, so the choice follows the text
+DECAY = 0.9  # per measured round: recent rounds count more, so the choice follows the text
+REST_ROUNDS = 12  # rests between probes: the MTP block of an adaptive loop holds this many slots more than k + 1
 
 
 @struct.dataclass
@@ -51,15 +54,25 @@ def expected_tokens(rates: jax.Array) -> jax.Array:
     return jnp.cumsum(reach)
 
 
-def choose_num_draft(tracker: AcceptanceTracker, round_costs: jax.Array) -> jax.Array:
-    """The j in 0..k with the most tokens per unit of time: int32 []."""
-    return jnp.argmax(expected_tokens(tracker.rates()) / round_costs).astype(jnp.int32)
+def choose_round(tracker: AcceptanceTracker, round_costs: jax.Array, can_rest: jax.Array) -> jax.Array:
+    """The next round, int32 [] in 0..k+1: j in 1..k drafts when that gives the most tokens per unit of time and
+    beats resting; otherwise k+1, a rest (a plain step that leaves the MTP layer alone), while the MTP block has room
+    (`can_rest`), and 0 when it is full: a probe, a plain step that runs the MTP layer over the rested tokens and
+    scores its first draft, which keeps the acceptance estimate current.
+
+    A rest costs one plain step; a probe costs round_costs[0] (>= 1) once per REST_ROUNDS rests, so resting is
+    worth 1 / (1 + (c_0 - 1) / REST_ROUNDS) tokens per plain step."""
+    value = expected_tokens(tracker.rates()) / round_costs  # [k+1] tokens per plain step of time
+    best = jnp.argmax(value[1:]) + 1
+    rest_value = 1.0 / (1.0 + jnp.maximum(round_costs[0] - 1.0, 0.0) / REST_ROUNDS)
+    max_draft = round_costs.shape[0] - 1
+    return jnp.where(value[best] > rest_value, best, jnp.where(can_rest, max_draft + 1, 0)).astype(jnp.int32)
 
 
 def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int) -> tuple[float, ...]:
     """Costs of rounds with j = 0..k drafts in plain steps, for a memory-bound device: a verify pass reads the
-    trunk once whatever its length, a draft step reads the MTP layer and the draft head. Round 0 still extends the
-    MTP cache and makes one draft (to keep measuring acceptance), so it costs one draft step too.
+    trunk once whatever its length, a draft step reads the MTP layer and the draft head. A probe (j = 0) still
+    extends the MTP cache and makes one draft (to keep measuring acceptance), so it costs one draft step too.
     Compute-bound settings (CPU, large batches) should pass measured costs instead (`python -m mtp_jax.bench`)."""
     step = draft_bytes / trunk_bytes
     return tuple(1.0 + max(j, 1) * step for j in range(max_draft + 1))

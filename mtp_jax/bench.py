@@ -361,7 +361,7 @@ def markdown(result: dict) -> str:
         same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         if "round_costs" in r:
             used = "/".join(str(n) for n in r["rounds_by_num_draft"])
-            per_pos += f"; rounds with 0..{r['k']} drafts: {used}"
+            per_pos += f"; rounds with 0..{r['k']} drafts: {used} ({r['rest_rounds']} of the 0 rests)"
         lines.append(
             f"| {impl} | {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | {number(r['ms_per_round'], '.1f')} "
             f"| {number(r.get('draft_ms'), '.2f')} | {number(r.get('verify_ms'), '.2f')} "

@@ -15,9 +15,10 @@ One round (k = num_draft):
      block position and each row keeps the one after its a + 1 inputs (`CausalLM.keep_verified`).
   5. The verify hiddens and accepted tokens become the next MTP block; n advances by a + 1.
 k = 0 skips 1-2 and is plain decoding through the same code.
-Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and switches between them on device
-(mtp_jax.adaptive picks j); a round with j = 0 still runs step 1, to keep the MTP cache and the acceptance
-estimate current.
+Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and a rest, and switches between them on
+device (mtp_jax.adaptive picks). A round with j = 0 (a probe) still runs step 1, to score a draft; a rest is a plain
+step that skips the MTP layer and appends its hidden and token to the MTP block, which for adaptive decoding has
+REST_ROUNDS spare slots; the next round with MTP catches the MTP cache up over all of them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from mtp_jax.adaptive import AcceptanceTracker, choose_num_draft, estimated_round_costs, step_param_bytes
+from mtp_jax.adaptive import REST_ROUNDS, AcceptanceTracker, choose_round, estimated_round_costs, step_param_bytes
 from mtp_jax.cache import KVCache
 from mtp_jax.config import DecodeConfig
 from mtp_jax.models.causal_lm import CausalLM
@@ -48,6 +49,7 @@ class DecodeStats:
     reached: jax.Array  # [k] row-rounds in which draft i was judged (all earlier drafts accepted)
     accepted_at: jax.Array  # [k] row-rounds in which draft i was accepted
     rounds_with: jax.Array  # [k+1] loop iterations that drafted j = 0..k tokens
+    rests: jax.Array  # [] loop iterations that skipped the MTP layer (adaptive decoding; counted in rounds_with[0])
 
 
 @struct.dataclass
@@ -68,8 +70,8 @@ class LoopState:
     pending: jax.Array  # [B] last generated token, not yet in the trunk cache
     cache: KVCache  # trunk, [L, B, S, K, H] (or per segment; hybrid trunks: GroupCache with DeltaNet states)
     mtp_cache: KVCache | None  # [1, B, S, K, H]
-    mtp_hidden: jax.Array | None  # [B, k+1, D]
-    mtp_tokens: jax.Array | None  # [B, k+1]
+    mtp_hidden: jax.Array | None  # [B, W, D], W = mtp_block_width(cfg)
+    mtp_tokens: jax.Array | None  # [B, W]
     mtp_start: jax.Array | None  # [B]
     mtp_count: jax.Array | None  # [B]
     row_keys: jax.Array  # [B] one random stream per row
@@ -82,18 +84,25 @@ def _row_keys(row_keys: jax.Array, round_index: jax.Array, purpose: int) -> jax.
     return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, round_index), purpose))(row_keys)
 
 
+def mtp_block_width(cfg: DecodeConfig) -> int:
+    """Slots W of the MTP block: the k + 1 a round can accept, and REST_ROUNDS more for adaptive decoding's rests."""
+    return cfg.num_draft + 1 + (REST_ROUNDS if cfg.adaptive and cfg.num_draft > 0 else 0)
+
+
 def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     """x [B, T, ...], index [B] -> x[b, index[b]] : [B, ...]."""
     return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
 class _Round:
-    """One round with `num_draft` = j drafts (j <= cfg.num_draft, the width of the state's MTP block)."""
+    """One round with `num_draft` = j drafts (j <= cfg.num_draft); with `rest`, a plain step that skips the MTP layer
+    and queues its hidden and token in the MTP block (adaptive decoding, when the block has room)."""
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array,
-                 num_draft: int):  # fmt: skip
+                 num_draft: int, rest: bool = False):  # fmt: skip
         self.model, self.cfg, self.sampling, self.eos = model, cfg, sampling, eos
-        self.k, self.max_k = num_draft, cfg.num_draft
+        self.k, self.max_k, self.rest = num_draft, cfg.num_draft, rest
+        self.width = mtp_block_width(cfg)
 
     def choose(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """Pick ids [B, ...] from float32 logits [B, ..., V]; also return the distribution when sampling."""
@@ -102,15 +111,33 @@ class _Round:
         probs = probabilities(logits, self.sampling)
         return jax.vmap(sample)(keys, probs), probs
 
+    def catch_up(self, s: LoopState) -> tuple[jax.Array, jax.Array, KVCache]:
+        """The MTP layer over the block (extending the MTP cache): hidden and normed output [B, D] of each row's last
+        valid slot. Over the first k + 1 slots unless an active row has rested tokens past them."""
+
+        def over(width: int):
+            def run(block):
+                hidden, tokens, start, count, mtp_cache = block
+                slots = jnp.arange(width)
+                hidden, normed, mtp_cache = self.model.mtp_step(
+                    hidden[:, :width], tokens[:, :width], start[:, None] + slots, mtp_cache
+                )
+                last = jnp.minimum(count, width) - 1  # done rows may hold more; their results are dropped
+                return _gather_rows(hidden, last), _gather_rows(normed, last), mtp_cache
+
+            return run
+
+        block = (s.mtp_hidden, s.mtp_tokens, s.mtp_start, s.mtp_count, s.mtp_cache)
+        narrow = self.max_k + 1
+        if self.width == narrow:
+            return over(narrow)(block)
+        fits = jnp.all(s.done | (s.mtp_count <= narrow))
+        return jax.lax.cond(fits, over(narrow), over(self.width), block)
+
     def draft(self, s: LoopState) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """max(j, 1) drafts [B, .] (and their full-vocabulary probabilities [B, ., V] when sampling)."""
         model = self.model
-        slots = jnp.arange(self.max_k + 1)
-        hidden, normed, mtp_cache = model.mtp_step(
-            s.mtp_hidden, s.mtp_tokens, s.mtp_start[:, None] + slots, s.mtp_cache
-        )
-        last = s.mtp_count - 1
-        hidden, normed = _gather_rows(hidden, last), _gather_rows(normed, last)  # [B, D]
+        hidden, normed, mtp_cache = self.catch_up(s)  # [B, D]
         position = s.position  # the next draft step's slot (the first sat at position - 1)
         drafts, dists = [], []
         for i in range(max(self.k, 1)):
@@ -157,7 +184,7 @@ class _Round:
         k, max_k, cfg = self.k, self.max_k, self.cfg
         active = ~s.done
         batch = s.pending.shape[0]
-        if max_k > 0:
+        if max_k > 0 and not self.rest:
             drafts, draft_probs, mtp_cache = self.draft(s)
             guess, guess_probs = drafts[:, 0], None if draft_probs is None else draft_probs[:, 0]
             drafts, draft_probs = drafts[:, :k], None if draft_probs is None else draft_probs[:, :k]
@@ -196,6 +223,7 @@ class _Round:
             reached=s.stats.reached + jnp.sum(judged, axis=0),
             accepted_at=s.stats.accepted_at + jnp.sum(passed, axis=0),
             rounds_with=s.stats.rounds_with.at[k].add(1),
+            rests=s.stats.rests + int(self.rest),
         )
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
         state = s.replace(
@@ -208,8 +236,15 @@ class _Round:
             cache=cache,
             stats=stats,
         )
-        if max_k > 0:
-            widen = lambda x: jnp.pad(x, [(0, 0), (0, max_k - k)] + [(0, 0)] * (x.ndim - 2))  # [B, j+1] -> [B, k+1]
+        if self.rest:  # queue (h[n], x[n+1]) in the block's next slot; the MTP cache waits
+            append = active[:, None] & (jnp.arange(self.width) == s.mtp_count[:, None])  # [B, W]
+            state = state.replace(
+                mtp_hidden=jnp.where(append[..., None], hidden[:, :1], s.mtp_hidden),
+                mtp_tokens=jnp.where(append, emitted[:, :1], s.mtp_tokens),
+                mtp_count=keep(s.mtp_count + 1, s.mtp_count),
+            )
+        elif max_k > 0:
+            widen = lambda x: jnp.pad(x, [(0, 0), (0, self.width - k - 1)] + [(0, 0)] * (x.ndim - 2))  # -> [B, W]
             state = state.replace(
                 mtp_cache=mtp_cache,
                 mtp_hidden=keep(widen(hidden), s.mtp_hidden),
@@ -217,7 +252,7 @@ class _Round:
                 mtp_start=keep(s.position, s.mtp_start),
                 mtp_count=keep(accepted + 1, s.mtp_count),
             )
-        if s.tracker is not None:
+        if s.tracker is not None and not self.rest:
             if k == 0:  # no draft was judged: score the first draft against the target's token instead
                 if target_probs is None:
                     agreement = (guess == token).astype(jnp.float32)
@@ -232,12 +267,20 @@ class _Round:
 
 
 def _round_body(model, cfg: DecodeConfig, sampling, eos):
-    """The while-loop body: a round with cfg.num_draft drafts, or, adaptive, with the j the policy picks."""
+    """The while-loop body: a round with cfg.num_draft drafts, or, adaptive, the round the policy picks (j = 0..k
+    drafts, or a rest while every active row's MTP block has a free slot)."""
     if not cfg.adaptive or cfg.num_draft == 0:
         return _Round(model, cfg, sampling, eos, cfg.num_draft)
     rounds = [_Round(model, cfg, sampling, eos, j) for j in range(cfg.num_draft + 1)]
+    rounds.append(_Round(model, cfg, sampling, eos, 0, rest=True))
     costs = jnp.asarray(cfg.round_costs or _estimated_costs(model, cfg.num_draft), jnp.float32)
-    return lambda s: jax.lax.switch(choose_num_draft(s.tracker, costs), rounds, s)
+    width = mtp_block_width(cfg)
+
+    def body(s: LoopState) -> LoopState:
+        can_rest = jnp.all(s.done | (s.mtp_count < width))
+        return jax.lax.switch(choose_round(s.tracker, costs, can_rest), rounds, s)
+
+    return body
 
 
 def _estimated_costs(model: CausalLM, max_draft: int) -> tuple[float, ...]:
@@ -271,6 +314,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
         reached=jnp.zeros((k,), jnp.int32),
         accepted_at=jnp.zeros((k,), jnp.int32),
         rounds_with=jnp.zeros((k + 1,), jnp.int32),
+        rests=jnp.int32(0),
     )
     state = LoopState(
         tokens=tokens,
@@ -296,11 +340,12 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
     next_tokens = jnp.where(jnp.arange(prompt_width) == last[:, None], first[:, None], next_tokens)
     mtp_cache = model.new_mtp_cache(batch, slots)
     _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
-    block_hidden = jnp.zeros((batch, k + 1, hidden.shape[-1]), hidden.dtype).at[:, 0].set(last_hidden)
+    width = mtp_block_width(cfg)
+    block_hidden = jnp.zeros((batch, width, hidden.shape[-1]), hidden.dtype).at[:, 0].set(last_hidden)
     return state.replace(
         mtp_cache=mtp_cache,
         mtp_hidden=block_hidden,
-        mtp_tokens=jnp.zeros((batch, k + 1), jnp.int32).at[:, 0].set(first),
+        mtp_tokens=jnp.zeros((batch, width), jnp.int32).at[:, 0].set(first),
         mtp_start=last,
         mtp_count=jnp.ones((batch,), jnp.int32),
     )

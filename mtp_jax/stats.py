@@ -30,6 +30,7 @@ def summarize(counters: dict, *, num_draft: int, generated_tokens: int, wall: fl
         "acceptance_rate": float(counters["accepted"]) / drafted if drafted else 0.0,
         "acceptance_per_position": per_position,
         "rounds_by_num_draft": [int(n) for n in counters["rounds_with"]],  # loop rounds that drafted j = 0..k
+        "rest_rounds": int(counters["rests"]),  # adaptive: rounds of the above with j = 0 that skipped the MTP layer
         "tokens_per_second": generated_tokens / wall if wall > 0 else 0.0,
         "wall_seconds": wall,
         "compile_seconds": compile_seconds,

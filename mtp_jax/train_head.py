@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--init", choices=("trunk-last", "existing", "random"), default="trunk-last")
     parser.add_argument("--num-mtp-steps", type=int, default=3, help="K recursive steps in the objective")
+    parser.add_argument(
+        "--objective", choices=("ce", "kl"), default="ce",
+        help="ce: cross-entropy on the data's next-next tokens; kl: match the trunk's next-token distribution",
+    )  # fmt: skip
     parser.add_argument("--draft-vocab", type=int, default=0, help="draft over the N most frequent tokens (0: all)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=320)
@@ -123,7 +127,7 @@ def run(args) -> int:
     if args.eval_data:
         eval_data = SequenceData(model, load_sequences(args.eval_data, model, tokenizer), args.seq_len)
     cfg = TrainConfig(
-        num_steps=args.num_mtp_steps, train_steps=args.steps, batch_size=args.batch_size,
+        num_steps=args.num_mtp_steps, objective=args.objective, train_steps=args.steps, batch_size=args.batch_size,
         learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed,
     )  # fmt: skip
     trainer = Trainer(model, cfg)

@@ -5,6 +5,11 @@ Step k (1-based) at slot s predicts x[s+2] from the token x[s+1] and a hidden: t
 k > 1 step k-1's output at slot s-1. So the chain started at t reaches slot t+k-1 at step k and predicts x[t+k+1]
 from h[t] and the true tokens x[t+1..t+k] — the recursion a decode round runs. Loss weights
 alpha_k = beta^(k-1) / sum_j beta^(j-1).
+
+Two objectives: "ce", cross-entropy on the token x[s+2]; "kl", KL(p || q) from the trunk's own next-token
+distribution p at slot s+1 (over the draft vocabulary, renormalized) to the draft distribution q. The second gives
+every position a whole distribution to match instead of one token, the quantity sampled verification accepts by (a
+draft survives with probability sum_x min(p(x), q(x))); docs/benchmarks.md has the two compared on one data set.
 """
 
 from __future__ import annotations
@@ -51,24 +56,47 @@ def step_logits(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps
     return logits
 
 
-def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax.Array):
-    """Per-step (mean cross-entropy [K], argmax accuracy [K], counted targets [K]).
+def trunk_draft_log_probs(model: CausalLM, hidden: jax.Array) -> jax.Array:
+    """Log-probabilities [B, T, Vd] of the trunk's next token from its final-normed hidden [B, T, D], over the draft
+    vocabulary (renormalized there): what a perfect draft would propose."""
+    weights = model.head_weights()  # [D, V]: the trunk's lm_head, also when the MTP layer has its own
+    if model.draft_vocab is not None:
+        weights = jnp.take(weights, model.draft_vocab[...], axis=1)  # [D, Vd]
+    logits = jnp.einsum("btd,dv->btv", hidden, weights, preferred_element_type=jnp.float32)
+    return jax.nn.log_softmax(jax.lax.stop_gradient(logits), axis=-1)
 
-    target_index [V] maps a token id to its index in the draft vocabulary (-1 outside it; those targets are
-    not counted: drafts cannot propose them).
+
+def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax.Array, objective: str = "ce"):
+    """Per-step (mean loss [K], argmax accuracy [K], counted slots [K]).
+
+    objective "ce": cross-entropy on x[s+2]; target_index [V] maps a token id to its index in the draft vocabulary
+    (-1 outside it; those targets are not counted: drafts cannot propose them). "kl": KL(p || q) from the trunk's
+    distribution at slot s+1 (the one that picked x[s+2]) to the draft's, at every slot. Accuracy counts argmax
+    matches of x[s+2] either way.
     """
     tokens, (batch_size, width) = batch.tokens, batch.tokens.shape
     slots = jnp.arange(width)
     targets = jnp.concatenate([tokens[:, 2:], jnp.zeros((batch_size, 2), tokens.dtype)], axis=1)  # x[s+2]
     target_draft = target_index[targets]  # [B, T]
-    in_text = (slots + 2 < batch.lengths[:, None]) & (slots + 2 >= batch.loss_start[:, None]) & (target_draft >= 0)
+    in_text = (slots + 2 < batch.lengths[:, None]) & (slots + 2 >= batch.loss_start[:, None])
+    if objective == "ce":
+        in_text &= target_draft >= 0
+    elif objective == "kl":
+        next_hidden = jnp.concatenate([batch.hidden[:, 1:], jnp.zeros_like(batch.hidden[:, :1])], axis=1)  # h[s+1]
+        teacher = trunk_draft_log_probs(model, next_hidden)  # [B, T, Vd]
+    else:
+        raise ValueError(f"unknown objective {objective!r}; known: ce, kl")
     safe_target = jnp.maximum(target_draft, 0)
     losses, accuracies, counts = [], [], []
     for step, logits in enumerate(step_logits(model, tokens, batch.hidden, num_steps)):
-        nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, safe_target[..., None], -1)[..., 0]
+        log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, T, Vd]
+        if objective == "ce":
+            loss = -jnp.take_along_axis(log_q, safe_target[..., None], -1)[..., 0]
+        else:
+            loss = jnp.sum(jnp.exp(teacher) * (teacher - log_q), axis=-1)
         valid = in_text & (slots >= step)[None, :]  # the chain must have started at slot s - step >= 0
         count = jnp.sum(valid)
-        losses.append(jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(count, 1))
+        losses.append(jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(count, 1))
         accuracies.append(jnp.sum(valid & (jnp.argmax(logits, -1) == target_draft)) / jnp.maximum(count, 1))
         counts.append(count)
     return jnp.stack(losses), jnp.stack(accuracies), jnp.stack(counts)
@@ -77,6 +105,7 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     num_steps: int = 3  # K recursive MTP steps in the objective
+    objective: str = "ce"  # "ce" on the next-next token, or "kl" to the trunk's distribution (module docstring)
     beta: float = 0.6
     train_steps: int = 1000
     batch_size: int = 16
@@ -134,7 +163,9 @@ class Trainer:
     def _step_fn(self, params, opt_state, frozen, batch: Batch):
         def objective(params):
             model = nnx.merge(self.graphdef, params, frozen)
-            losses, accuracies, counts = step_losses(model, batch, self.cfg.num_steps, self.target_index)
+            losses, accuracies, counts = step_losses(
+                model, batch, self.cfg.num_steps, self.target_index, self.cfg.objective
+            )
             return jnp.sum(self.weights * losses), (losses, accuracies, counts)
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)

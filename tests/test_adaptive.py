@@ -13,8 +13,9 @@ import pytest
 
 import mtp_jax
 from checkpoints_convert.export import save_hf_folder
-from mtp_jax.adaptive import AcceptanceTracker, choose_num_draft, estimated_round_costs, expected_tokens
+from mtp_jax.adaptive import REST_ROUNDS, AcceptanceTracker, choose_round, estimated_round_costs, expected_tokens
 from mtp_jax.decode import main as decode_main
+from mtp_jax.speculative import _prefill, _Round
 from tests.test_lossless_mtp import PROMPT_LENS, PROMPTS
 from tests.tiny_models import predictable_model
 
@@ -37,13 +38,20 @@ def test_rates_fall_back_to_the_depth_before():
     np.testing.assert_allclose(rates[1:], rates[0])  # never drafted: as good as the last depth measured
 
 
-def test_policy_drafts_what_pays():
+def test_policy_drafts_what_pays_and_rests_otherwise():
     good = AcceptanceTracker(hits=jnp.array([90.0, 80.0, 70.0]), trials=jnp.array([100.0, 90.0, 80.0]))
     poor = AcceptanceTracker(hits=jnp.array([5.0, 0.0, 0.0]), trials=jnp.array([100.0, 5.0, 0.0]))
     cheap, steep = jnp.array([1.0, 1.2, 1.4, 1.6]), jnp.array([1.0, 2.0, 3.0, 4.0])
-    assert int(choose_num_draft(good, cheap)) == 3
-    assert int(choose_num_draft(good, steep)) == 0  # a verify row as dear as a whole step: drafting never pays
-    assert int(choose_num_draft(poor, cheap)) == 0  # the head rarely agrees: plain rounds
+    room, full = jnp.bool_(True), jnp.bool_(False)
+    assert int(choose_round(good, cheap, room)) == 3
+    assert int(choose_round(good, steep, room)) == 4  # a verify row as dear as a whole step: rest (index k + 1)
+    assert int(choose_round(poor, cheap, room)) == 4  # the head rarely agrees: rest
+    assert int(choose_round(poor, cheap, full)) == 0  # ... until the block is full: probe
+    # One draft at acceptance 0.99 and cost 2.05 gives 0.971 tokens per plain step: less than resting with a free
+    # probe (1.0), more than resting with a dear one (1 / (1 + (c0 - 1) / REST_ROUNDS) = 1 / 1.05 = 0.952).
+    even = AcceptanceTracker(hits=jnp.array([98.0]), trials=jnp.array([98.0]))  # rate 99/100
+    assert int(choose_round(even, jnp.array([1.0, 2.05]), room)) == 2
+    assert int(choose_round(even, jnp.array([1.0 + 0.05 * REST_ROUNDS, 2.05]), room)) == 1
 
 
 def test_estimated_costs_from_bytes():
@@ -64,9 +72,41 @@ def test_adaptive_greedy_equals_plain_through_every_draft_length():
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(plain.lengths))
     np.testing.assert_array_equal(np.asarray(out.finished_by_eos), np.asarray(plain.finished_by_eos))
     assert np.asarray(plain.finished_by_eos).any() and not np.asarray(plain.finished_by_eos).all()  # EOS mid-batch
-    rounds_with = np.asarray(out.stats.rounds_with)
+    rounds_with, rests = np.asarray(out.stats.rounds_with), int(out.stats.rests)
     assert (rounds_with > 0).all(), rounds_with
     assert rounds_with.sum() == int(out.stats.rounds)
+    assert 0 < rests < rounds_with[0], (rests, rounds_with)  # rests, and probes (rounds of j = 0 that were not rests)
+
+
+def test_rests_then_catch_up_gives_the_mtp_cache_of_a_prefill():
+    """Plain rounds that skip the MTP layer, then a round's catch-up over the queued block, leave the MTP cache as a
+    prefill of the prompt plus the generated tokens would (rows of different lengths). A wrong slot, token or
+    position in the queue would give different keys and values (and, on a real head, lower acceptance, while the
+    output stays exact: so this is the check that catches it)."""
+    model = predictable_model("deepseek", 11)
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=32, adaptive=True, stop_on_eos=False)
+    lens = jnp.asarray([3, 6], jnp.int32)
+    ids = jnp.asarray(PROMPTS[[2, 1], :6]) * (jnp.arange(6) < lens[:, None])
+    slots, eos, keys = 48, jnp.zeros((0,), jnp.int32), jax.random.split(jax.random.key(0), 2)
+    state = _prefill(model, cfg, None, eos, ids, lens, keys, slots)
+    rest = _Round(model, cfg, None, eos, 0, rest=True)
+    for _ in range(REST_ROUNDS):
+        state = rest(state)
+    assert np.asarray(state.mtp_count).tolist() == [REST_ROUNDS + 1] * 2
+    _, _, caught_up = _Round(model, cfg, None, eos, 1).catch_up(state)
+
+    # The same text as prompts: prompt + the tokens generated before the pending one; the pending one comes first.
+    tokens = np.asarray(state.tokens)
+    longer = [list(np.asarray(ids[r, : lens[r]])) + list(tokens[r, :REST_ROUNDS]) for r in range(2)]
+    width = max(map(len, longer))
+    ids2 = jnp.asarray([row + [0] * (width - len(row)) for row in longer], jnp.int32)
+    lens2 = jnp.asarray([len(row) for row in longer], jnp.int32)
+    reference = _prefill(model, cfg, None, eos, ids2, lens2, keys, slots)
+    np.testing.assert_array_equal(np.asarray(reference.pending), tokens[:, REST_ROUNDS])  # same text, same token
+    for r in range(2):
+        valid = int(lens2[r])  # MTP cache slots 0 .. n-1, n the pending token's position
+        for ours, theirs in zip(jax.tree.leaves(caught_up), jax.tree.leaves(reference.mtp_cache), strict=True):
+            np.testing.assert_allclose(np.asarray(ours)[:, r, :valid], np.asarray(theirs)[:, r, :valid], atol=2e-5)
 
 
 @pytest.fixture(scope="module")
