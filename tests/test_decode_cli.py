@@ -19,6 +19,7 @@ STATS_FIELDS = {
     "mean_accepted_length",
     "acceptance_rate",
     "rounds_by_num_draft",
+    "rest_rounds",
     "acceptance_per_position",
     "tokens_per_second",
     "wall_seconds",
