@@ -277,7 +277,7 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
             row["roofline_fraction"] = step_bytes / (row["ms_per_round"] / 1000) / bandwidth
         results.append((row, tokens))
     if timer is not None and args.adaptive and max(drafts) > 0:
-        costs = timer.adaptive_costs(max(drafts), results[0][0]["round_ms"])
+        costs = timer.adaptive_costs(max(drafts))
         cfg = DecodeConfig(num_draft=max(drafts), adaptive=True, round_costs=costs, **settings)
         fields, tokens = time_ours(model, ids, lens, cfg, args.repeats)
         results.append(({"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), **fields,

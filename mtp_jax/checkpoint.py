@@ -55,19 +55,27 @@ def _restore_converted(path: str, dtype, rules: ShardingRules | None) -> CausalL
     return assemble(cfg, params, dtype, rules)
 
 
-def load(path: str | None = None, *, dtype=None, mesh: Mesh | ShardingRules | None = None, head: str | None = None):
+def load(
+    path: str | None = None,
+    *,
+    dtype=None,
+    mesh: Mesh | ShardingRules | None = None,
+    head: str | None = None,
+    default_head: bool = True,
+):
     """(model, tokenizer or None) for `path`; None means the default model.
 
     `mesh`: a `jax.sharding.Mesh` (default rules of `mtp_jax.sharding`) or `ShardingRules`; every parameter is then
     placed directly into its sharding, and each process reads only the parts of the tensors its devices hold.
 
-    `head`: a head folder written by `python -m mtp_jax.train_head`; by default the shipped head of the default
-    model, or an `mtp_head/` folder inside the model folder, is attached when present.
+    `head`: a head folder written by `python -m mtp_jax.train_head`; without one, the shipped head of the default
+    model, or an `mtp_head/` folder inside the model folder, is attached when present (`default_head=False`: not;
+    e.g. to train a new head on the bare trunk).
     """
     from mtp_jax.heads import attach_head, head_for
 
     model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh)
-    head = head or head_for(path)
+    head = head or (head_for(path) if default_head else None)
     return (attach_head(model, head) if head else model), tokenizer
 
 
@@ -105,8 +113,13 @@ def read_params(source, cfg: ModelConfig, dtype, rules: ShardingRules | None, on
 
 
 def load_model(
-    path: str | None = None, *, dtype=None, mesh: Mesh | ShardingRules | None = None, head: str | None = None
+    path: str | None = None,
+    *,
+    dtype=None,
+    mesh: Mesh | ShardingRules | None = None,
+    head: str | None = None,
+    default_head: bool = True,
 ) -> CausalLM:
     """The model at `path` (converted folder, Hugging Face folder or .gguf); None means the default model.
-    `mesh`: place it on a `jax.sharding.Mesh` (or by `mtp_jax.sharding.ShardingRules`), as `load` does."""
-    return load(path, dtype=dtype, mesh=mesh, head=head)[0]
+    `mesh`, `head`, `default_head`: as `load` takes them."""
+    return load(path, dtype=dtype, mesh=mesh, head=head, default_head=default_head)[0]

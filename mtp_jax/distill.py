@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model path (default: the default model)")
     parser.add_argument("--out", required=True, help="output JSONL")
     parser.add_argument("--num-prompts", type=int, default=1200)
+    parser.add_argument("--start", type=int, default=0, help="skip the first N prompts: extends a set made with "
+                        "--num-prompts N (a seed's prompt list does not depend on its length)")  # fmt: skip
     parser.add_argument("--split", choices=("train", "eval"), default="train")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -66,10 +68,12 @@ def run(args) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")
+    if not 0 <= args.start < args.num_prompts:
+        raise UserError(f"--start must be in 0..{args.num_prompts - 1} (--num-prompts - 1)")
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
     if tokenizer is None:
         raise UserError("the model has no tokenizer to apply the chat template with")
-    prompts = build_prompts(args.num_prompts, args.split, args.seed)
+    prompts = build_prompts(args.num_prompts, args.split, args.seed)[args.start :]
     start = time.perf_counter()
     records = distill(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     write_atomically(args.out, "".join(json.dumps(r) + "\n" for r in records))

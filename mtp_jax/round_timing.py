@@ -10,7 +10,7 @@ greedy; the state comes from the loop's own prefill of the benchmark's prompts.
 from __future__ import annotations
 
 import functools
-import statistics
+import math
 import time
 
 import jax
@@ -65,33 +65,42 @@ class RoundTimer:
             self._states[cfg.num_draft] = _prefilled_state(self.graphdef, self.params, self.ids, self.lens, cfg, slots)
         return self._states[cfg.num_draft]
 
-    def milliseconds(self, part: str, max_draft: int, num_draft: int) -> float:
-        """Median time of one `part` ("round", "verify" or "draft") with `num_draft` drafts in a loop whose MTP
-        block is `max_draft` + 1 wide (max_draft > num_draft: an adaptive loop's narrower round)."""
+    def _part(self, part: str, max_draft: int, num_draft: int):
+        """A compiled, warmed-up call running `part` ("round", "verify" or "draft") with `num_draft` drafts
+        `iterations` times, in a loop whose MTP block is `max_draft` + 1 wide (max_draft > num_draft: an adaptive
+        loop's narrower round)."""
         cfg = DecodeConfig(num_draft=max_draft, max_new_tokens=self.max_new_tokens, stop_on_eos=False)
         state = self._state(cfg)
         run = functools.partial(_repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, self.iterations)
-        jax.block_until_ready(run())  # compile and warm up
-        walls = []
+        jax.block_until_ready(run())
+        return run
+
+    def milliseconds(self, parts: list[tuple[str, int, int]]) -> list[float]:
+        """Time of one of each (part, max_draft, num_draft), in ms. The parts are timed in turn, `repeats` times
+        over, and each keeps its fastest: interference from the rest of the machine only ever adds time, and
+        turns taken in one sweep see the same machine, so ratios between the parts hold up on a busy host."""
+        runs = [self._part(*part) for part in parts]
+        best = [math.inf] * len(runs)
         for _ in range(self.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            walls.append(time.perf_counter() - start)
-        return 1000 * statistics.median(walls) / self.iterations
+            for i, run in enumerate(runs):
+                start = time.perf_counter()
+                jax.block_until_ready(run())
+                best[i] = min(best[i], time.perf_counter() - start)
+        return [1000 * wall / self.iterations for wall in best]
 
     def split(self, num_draft: int) -> dict:
         """A fixed-k loop's round: its whole time and its draft and verify parts, in ms."""
-        split = {"round_ms": self.milliseconds("round", num_draft, num_draft)}
-        split["verify_ms"] = self.milliseconds("verify", num_draft, num_draft)
-        split["draft_ms"] = self.milliseconds("draft", num_draft, num_draft) if num_draft else 0.0
-        return split
+        parts = [("round", num_draft, num_draft), ("verify", num_draft, num_draft)]
+        times = self.milliseconds(parts + ([("draft", num_draft, num_draft)] if num_draft else []))
+        return {"round_ms": times[0], "verify_ms": times[1], "draft_ms": times[2] if num_draft else 0.0}
 
-    def adaptive_costs(self, max_draft: int, plain_round_ms: float) -> tuple[float, ...]:
-        """Rounds with j = 0..max_draft drafts of an adaptive loop, over a plain round: its `round_costs`. A round
-        does all the work of a round with fewer drafts (and of a plain one), so timing noise that says otherwise is
-        evened out: each cost is at least 1 and at least the one before."""
-        costs = [self.milliseconds("round", max_draft, j) / plain_round_ms for j in range(max_draft + 1)]
-        return tuple(float(c) for c in np.maximum.accumulate(np.maximum(costs, 1.0)))
+    def adaptive_costs(self, max_draft: int) -> tuple[float, ...]:
+        """Rounds with j = 0..max_draft drafts of an adaptive loop, over a plain loop's round (timed in the same
+        sweeps): its `round_costs`. A round does all the work of a round with fewer drafts (and of a plain one), so
+        timing noise that says otherwise is evened out: each cost is at least 1 and at least the one before."""
+        plain, *rounds = self.milliseconds([("round", 0, 0)] + [("round", max_draft, j) for j in range(max_draft + 1)])
+        costs = np.maximum.accumulate(np.maximum(np.asarray(rounds) / plain, 1.0))
+        return tuple(float(c) for c in costs)
 
 
 def plain_step_bytes(model, batch: int, slots: int) -> int:
@@ -112,4 +121,4 @@ def copy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
         start = time.perf_counter()
         jax.block_until_ready(touch(x))
         walls.append(time.perf_counter() - start)
-    return 2 * x.size * 4 / statistics.median(walls)
+    return 2 * x.size * 4 / min(walls)  # the fastest pass: interference only slows one down

@@ -97,6 +97,27 @@ def summarize(totals: dict) -> dict:
     }
 
 
+def scored_sequences(path: str, items: list[str | list[int]]) -> tuple[list[str | list[int]], list[int]]:
+    """What to score for each line of a prompts file, and where counting starts. A JSONL line with "token_ids" (as
+    `python -m mtp_jax.distill` and training data have them) is scored on those ids, from its "prompt_len" on when
+    it has one: the response, as the trainer's eval counts it, not the prompt text beside it. Other lines: the text
+    or ids as `read_prompt_file` gives them, every position."""
+    starts = [0] * len(items)
+    if not path.endswith(".jsonl"):
+        return items, starts
+    with open(path, encoding="utf-8") as f:
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]  # as read_prompt_file has them
+    for i, (number, line) in enumerate(lines):
+        record = json.loads(line)
+        ids = record.get("token_ids") if isinstance(record, dict) else None
+        if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            start = record.get("prompt_len", 0)
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(ids):
+                raise UserError(f"{path}:{number}: prompt_len must be an integer in 0..{len(ids) - 1}")
+            items[i], starts[i] = ids, start
+    return items, starts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.score", description=__doc__.splitlines()[0])
     parser.add_argument("--model")
@@ -120,7 +141,7 @@ def run(args) -> int:
         raise UserError(f"--num-draft must be >= 1, got {args.num_draft}")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    items = read_prompt_file(args.prompts_file)
+    items, starts = scored_sequences(args.prompts_file, read_prompt_file(args.prompts_file))
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
     if not model.config.has_mtp:
         raise UserError("this model has no MTP head to score")
@@ -133,7 +154,7 @@ def run(args) -> int:
         batch = prompts[start : start + args.batch_size]
         ids, lens = pad_batch(batch, len(batch), bucket(max(len(p.token_ids) for p in batch)))
         predictions, trunk = teacher_forced_predictions(model, ids, args.num_draft)
-        counts = acceptance_counts(predictions, trunk, lens)
+        counts = acceptance_counts(predictions, trunk, lens, np.asarray(starts[start : start + args.batch_size]))
         totals = (
             counts
             if totals is None

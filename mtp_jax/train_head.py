@@ -65,7 +65,8 @@ def training_model(trunk, args, records):
                                              draft_vocab_size=draft_size))  # fmt: skip
     model = CausalLM(cfg, dtype=trunk.dtype, rngs=nnx.Rngs(args.seed))
     keep = nnx.state(trunk, nnx.PathContains("mtp")) if args.init == "existing" else None
-    nnx.update(model, nnx.state(trunk, nnx.Not(nnx.PathContains("mtp"))))
+    head_paths = nnx.Any(nnx.PathContains("mtp"), nnx.PathContains("draft_vocab"))  # sized by this head's config
+    nnx.update(model, nnx.state(trunk, nnx.Not(head_paths)))
     if keep is not None:
         nnx.update(model, keep)
     elif args.init == "trunk-last":

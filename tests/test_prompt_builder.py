@@ -26,3 +26,18 @@ def test_shipped_eval_prompts_cover_all_categories_and_never_appear_in_training(
     assert {p["category"] for p in shipped} == set(CATEGORIES)
     train = {p for c in CATEGORIES for p in candidate_prompts(c, "train")}
     assert not {p["prompt"] for p in shipped} & train
+
+
+def test_a_longer_prompt_list_extends_a_shorter_one():
+    """`distill --start N` extends a data set made with `--num-prompts N`: that needs a seed's list to be the same
+    whatever its length."""
+    assert build_prompts(300, "train", seed=0)[:120] == build_prompts(120, "train", seed=0)
+
+
+def test_distill_start_out_of_range_is_one_line(tmp_path, capsys):
+    from mtp_jax.distill import main
+
+    assert main(["--out", str(tmp_path / "d.jsonl"), "--num-prompts", "4", "--start", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--start" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "d.jsonl").exists()

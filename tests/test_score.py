@@ -81,3 +81,27 @@ def test_cli_writes_draft_argmax(tmp_path, capsys):
     assert len(result["conditional_acceptance_per_depth"]) == 2
     predictions, _ = teacher_forced_predictions(model, np.array([[5, 9, 13, 7, 8, 20]]), 1)
     assert result["draft_argmax"][0] == predictions[0, :5, 0].tolist()
+
+
+def test_cli_scores_a_distilled_record_on_its_response(tmp_path, capsys):
+    """A line of `distill` output carries the prompt text and the full token ids: scoring uses the ids, counting
+    from its prompt_len on (the response), not the prompt text."""
+    model = predictable_model("deepseek", seed=4)
+    save_hf_folder(model, tmp_path / "hf")
+    ids = [5, 9, 13, 7, 8, 20, 11, 4]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "no tokenizer needed", "token_ids": ids, "prompt_len": 3}) + "\n")
+    code = score_main(["--model", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--num-draft", "2",
+                       "--out", str(tmp_path / "s.json"), "--dtype", "float32"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((tmp_path / "s.json").read_text())
+    predictions, trunk = teacher_forced_predictions(model, np.array([ids]), 2)
+    expected = summarize(acceptance_counts(predictions, trunk, np.array([len(ids)]), starts=np.array([3])))
+    assert result["positions_judged"] == expected["positions_judged"] == [5, 4]
+    assert result["conditional_acceptance_per_depth"] == expected["conditional_acceptance_per_depth"]
+
+    capsys.readouterr()
+    prompts.write_text(json.dumps({"token_ids": ids, "prompt_len": 8}) + "\n")
+    assert score_main(["--model", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--num-draft", "2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "prompt_len" in err and len(err.splitlines()) == 1

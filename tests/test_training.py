@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -215,3 +216,21 @@ def test_train_head_cli_trains_resumes_and_writes_a_head_that_decodes(tmp_path, 
         assert decode_main([str(a) for a in argv]) == 0, capsys.readouterr().err
         outputs[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert outputs["mtp"] == outputs["plain"]
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 12])
+def test_a_new_head_replaces_a_trunk_head_with_another_draft_vocabulary(draft_vocab):
+    """Training a new head for a model that already has one (the default model and its shipped head) starts from the
+    trunk alone: the old head's draft vocabulary (8 ids here) does not leak into the new head's (12 ids, or none)."""
+    from mtp_jax.train_head import training_model
+
+    cfg = tiny_config()
+    trunk = mtp_jax.CausalLM(cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=8)), rngs=nnx.Rngs(0))
+    records = self_distilled_data(predictable_model("deepseek", seed=3), count=4, new_tokens=10)
+    args = argparse.Namespace(init="trunk-last", draft_vocab=draft_vocab, seed=0)
+    model = training_model(trunk, args, records)
+    if draft_vocab:
+        np.testing.assert_array_equal(model.draft_vocab[...], frequent_tokens(records, cfg.vocab_size, draft_vocab))
+    else:
+        assert model.draft_vocab is None
+    np.testing.assert_array_equal(model.embed[...], trunk.embed[...])
