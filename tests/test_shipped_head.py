@@ -14,12 +14,7 @@ from mtp_jax import stats
 from mtp_jax.heads import DEFAULT_HEAD, HEAD_CONFIG, head_for
 from mtp_jax.prompts import encode_prompts, pad_batch
 
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Summarize the water cycle in three sentences.",
-    "What is 17 times 23? Show your steps.",
-    "Give me two tips for a job interview.",
-]
+PROMPTS = ["Write a Python function that checks whether a number is prime.", "What is 17 times 23? Show your steps."]
 
 
 def test_the_default_model_has_a_shipped_head():
@@ -37,7 +32,7 @@ def test_shipped_head_drafts_are_accepted_and_output_equals_plain(smollm2_path):
     ids, lens = pad_batch(prompts, len(prompts), max(len(p.token_ids) for p in prompts))
     outputs = {}
     for k in (0, 3):
-        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=48)
+        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=40)
         outputs[k] = mtp_jax.generate(model, ids, lens, jax.random.key(0), cfg)
     for row in range(len(PROMPTS)):
         plain = np.asarray(outputs[0].tokens[row, : outputs[0].lengths[row]])
