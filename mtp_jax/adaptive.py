@@ -60,13 +60,26 @@ def choose_round(tracker: AcceptanceTracker, round_costs: jax.Array, can_rest: j
     (`can_rest`), and 0 when it is full: a probe, a plain step that runs the MTP layer over the rested tokens and
     scores its first draft, which keeps the acceptance estimate current.
 
-    A rest costs one plain step; a probe costs round_costs[0] (>= 1) once per REST_ROUNDS rests, so resting is
-    worth 1 / (1 + (c_0 - 1) / REST_ROUNDS) tokens per plain step."""
+    A rest costs one plain step and a probe round_costs[0] (>= 1), once per REST_ROUNDS rests (`rest_value`)."""
     value = expected_tokens(tracker.rates()) / round_costs  # [k+1] tokens per plain step of time
     best = jnp.argmax(value[1:]) + 1
-    rest_value = 1.0 / (1.0 + jnp.maximum(round_costs[0] - 1.0, 0.0) / REST_ROUNDS)
     max_draft = round_costs.shape[0] - 1
-    return jnp.where(value[best] > rest_value, best, jnp.where(can_rest, max_draft + 1, 0)).astype(jnp.int32)
+    resting = rest_value(round_costs[0])
+    return jnp.where(value[best] > resting, best, jnp.where(can_rest, max_draft + 1, 0)).astype(jnp.int32)
+
+
+def rest_value(probe_cost):
+    """Tokens per plain step of resting, a probe of cost c_0 every REST_ROUNDS rests: 1 / (1 + (c_0 - 1) / R)."""
+    extra = probe_cost - 1.0
+    return 1.0 / (1.0 + (extra + abs(extra)) / (2 * REST_ROUNDS))  # max(extra, 0), for floats and arrays alike
+
+
+def drafting_can_pay(round_costs: tuple[float, ...]) -> bool:
+    """Whether any j >= 1 drafts could beat resting were every draft accepted ((j + 1) / c_j tokens per plain step).
+    Where none can (a compute-bound device at a large batch), the policy would only ever rest and probe, so adaptive
+    decoding is plain decoding, without the probes."""
+    best = max((j + 1) / cost for j, cost in enumerate(round_costs) if j > 0)
+    return best > rest_value(round_costs[0])
 
 
 def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int) -> tuple[float, ...]:

@@ -1,7 +1,9 @@
 """python -m mtp_jax.bench: plain vs MTP decoding, and transformers' PyTorch generate, in one process.
 
-For each (batch size, k) the decode loop is compiled once ahead of time (timed apart), then the same prompt batch
-runs `--repeats` times and the median wall time counts. EOS does not stop any row, on either side, so every row
+For each (batch size, k) the decode loop is compiled once ahead of time (timed apart); then every configuration of
+a batch size (ours for each k, the adaptive loop, transformers) runs once per sweep, `--repeats` sweeps, and each
+keeps its fastest wall time: interference from the rest of the machine only ever adds time, and interleaving spreads
+a slow spell over all configurations. EOS does not stop any row, on either side, so every row
 generates exactly --max-new-tokens tokens and tokens/s compare equal work.
 """
 
@@ -14,7 +16,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 
@@ -125,30 +126,50 @@ def read_prompts(args, model, tokenizer):
     return encode_prompts(items, tokenizer, chat=True, vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings)
 
 
-def time_ours(model, ids, lens, cfg, repeats: int) -> tuple[dict, np.ndarray]:
-    """Compile once, run `repeats` times: (row fields, generated tokens [B, max_new_tokens])."""
-    import jax
+class OursRun:
+    """One configuration of ours, compiled ahead of time (timed apart); each call runs it once and returns the wall
+    seconds; `result` gives the row fields from the fastest of the given walls and the generated tokens."""
 
-    from mtp_jax.speculative import compile_generate
-    from mtp_jax.stats import add, summarize
+    def __init__(self, model, ids, lens, cfg):
+        import jax
 
-    key = jax.random.key(0)
-    start = time.perf_counter()
-    run = compile_generate(model, ids, lens, key, cfg)
-    compile_seconds = time.perf_counter() - start
-    memory = run.memory_bytes()
-    walls = []
-    for _ in range(repeats):
+        from mtp_jax.speculative import compile_generate
+
+        self.model, self.ids, self.lens, self.cfg, self.key = model, ids, lens, cfg, jax.random.key(0)
         start = time.perf_counter()
-        out = jax.block_until_ready(run(model, ids, lens, key, cfg))
-        walls.append(time.perf_counter() - start)
-    wall = statistics.median(walls)
-    summary = summarize(add(None, out.stats), num_draft=cfg.num_draft, generated_tokens=int(np.sum(out.lengths)),
-                        wall=wall, compile_seconds=compile_seconds)  # fmt: skip
-    del summary["device"], summary["num_draft"]
-    fields = {**summary, "walls": walls, "ms_per_round": 1000 * wall / summary["rounds"] if summary["rounds"] else None,
-              "memory_mb": None if memory is None else memory / 2**20}  # fmt: skip
-    return fields, np.asarray(out.tokens)
+        self.compiled = compile_generate(model, ids, lens, self.key, cfg)
+        self.compile_seconds = time.perf_counter() - start
+        self.out = None
+
+    def __call__(self) -> float:
+        import jax
+
+        start = time.perf_counter()
+        self.out = jax.block_until_ready(self.compiled(self.model, self.ids, self.lens, self.key, self.cfg))
+        return time.perf_counter() - start
+
+    def result(self, walls: list[float]) -> tuple[dict, np.ndarray]:
+        from mtp_jax.stats import add, summarize
+
+        out, wall, memory = self.out, min(walls), self.compiled.memory_bytes()
+        tokens = int(np.sum(out.lengths))
+        summary = summarize(add(None, out.stats), num_draft=self.cfg.num_draft, wall=wall, generated_tokens=tokens,
+                            compile_seconds=self.compile_seconds)  # fmt: skip
+        del summary["device"], summary["num_draft"]
+        rounds = summary["rounds"]
+        fields = {**summary, "walls": walls, "ms_per_round": 1000 * wall / rounds if rounds else None,
+                  "memory_mb": None if memory is None else memory / 2**20}  # fmt: skip
+        return fields, np.asarray(out.tokens)
+
+
+def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
+    """Wall seconds [run][repeat]: every run once per sweep, `repeats` sweeps, so that a slow spell of the machine
+    (other load, clocks) costs all configurations alike rather than whichever was running then."""
+    walls = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, times in zip(runs, walls, strict=True):
+            times.append(run())
+    return walls
 
 
 def load_peer(path: str, dtype_name: str):
@@ -164,42 +185,49 @@ def load_peer(path: str, dtype_name: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def time_peer(model, prompts, max_new_tokens: int, temperature: float, repeats: int) -> tuple[dict, np.ndarray]:
-    """generate on a left-padded batch with its attention mask; static cache when it works, else dynamic."""
-    import torch
+class PeerRun:
+    """transformers' generate on a left-padded batch with its attention mask, static cache when it works, else
+    dynamic; warmed up once untimed. Called like `OursRun`."""
 
-    width = max(len(p.token_ids) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
-    mask = (torch.arange(width)[None] >= torch.tensor([[width - len(p.token_ids)] for p in prompts])).long()
-    # eos_token_id=None: EOS is generated like any token but stops nothing (min_new_tokens would mask it instead).
-    greedy = {"do_sample": False}
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else greedy
-    kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0, **sampling)
+    def __init__(self, model, prompts, max_new_tokens: int, temperature: float):
+        import torch
 
-    def generate(cache):
+        self.model, self.max_new_tokens = model, max_new_tokens
+        self.width = width = max(len(p.token_ids) for p in prompts)
+        self.ids = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
+        for row, p in enumerate(prompts):
+            self.ids[row, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
+        starts = torch.tensor([[width - len(p.token_ids)] for p in prompts])
+        mask = (torch.arange(width)[None] >= starts).long()
+        # eos_token_id=None: EOS is generated like any token but stops nothing (min_new_tokens would mask it instead).
+        greedy = {"do_sample": False}
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else greedy
+        self.kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+                           **sampling)  # fmt: skip
+        self.cache = "static"
+        try:
+            self()  # warm-up, not timed
+        except Exception as e:  # this platform or version cannot run the static cache
+            why = f"{type(e).__name__}: {e}"
+            print(f"note: static cache failed for transformers ({why}); using dynamic", file=sys.stderr)
+            self.cache = "dynamic"
+            self()
+
+    def __call__(self) -> float:
+        import torch
+
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, cache_implementation=cache, **kwargs)
-        return out, time.perf_counter() - start
+            self.out = self.model.generate(self.ids, cache_implementation=self.cache, **self.kwargs)
+        return time.perf_counter() - start
 
-    cache = "static"
-    try:
-        generate(cache)  # warm-up, not timed
-    except Exception as e:  # this platform or version cannot run the static cache
-        print(f"note: static cache failed for transformers ({type(e).__name__}: {e}); using dynamic", file=sys.stderr)
-        cache = "dynamic"
-        generate(cache)
-    runs = [generate(cache) for _ in range(repeats)]
-    walls = [wall for _, wall in runs]
-    new = runs[-1][0][:, width:].numpy()  # [B, max_new_tokens]
-    wall = statistics.median(walls)
-    fields = {"cache": cache, "rounds": max_new_tokens - 1, "generated_tokens": int(new.size),
-              "mean_accepted_length": 1.0, "acceptance_rate": 0.0, "acceptance_per_position": [],
-              "tokens_per_second": new.size / wall, "wall_seconds": wall, "compile_seconds": None, "walls": walls,
-              "ms_per_round": 1000 * wall / (max_new_tokens - 1) if max_new_tokens > 1 else None}  # fmt: skip
-    return fields, new
+    def result(self, walls: list[float]) -> tuple[dict, np.ndarray]:
+        new, wall, steps = self.out[:, self.width :].numpy(), min(walls), self.max_new_tokens - 1  # [B, new]
+        fields = {"cache": self.cache, "rounds": steps, "generated_tokens": int(new.size), "mean_accepted_length": 1.0,
+                  "acceptance_rate": 0.0, "acceptance_per_position": [], "tokens_per_second": new.size / wall,
+                  "wall_seconds": wall, "compile_seconds": None, "walls": walls,
+                  "ms_per_round": 1000 * wall / steps if steps else None}  # fmt: skip
+        return fields, new
 
 
 def run(args) -> dict:
@@ -232,10 +260,8 @@ def run(args) -> dict:
     for batch_size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
         ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))  # [B, W], [B]
-        results = time_batch(args, model, ids, lens, drafts, bandwidth)
-        if peer is not None:
-            fields, tokens = time_peer(peer, batch, args.max_new_tokens, args.temperature, args.repeats)
-            results.append(({"impl": "transformers", "batch": batch_size, "k": 0, **fields}, tokens))
+        peer_run = PeerRun(peer, batch, args.max_new_tokens, args.temperature) if peer is not None else None
+        results = time_batch(args, model, ids, lens, drafts, bandwidth, peer_run)
         plain, plain_tokens = results[0]
         peer_speed = results[-1][0]["tokens_per_second"] if peer is not None else None
         for row, tokens in results:
@@ -255,33 +281,41 @@ def run(args) -> dict:
     return {"meta": meta, "rows": rows}
 
 
-def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None) -> list[tuple[dict, np.ndarray]]:
-    """Our rows for one padded batch: k in `drafts`, then the adaptive loop; with --split, each with its round's
-    parts and the plain rows with their roofline fraction."""
+def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peer_run=None):
+    """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then the peer,
+    timed in interleaved sweeps; with --split, each fixed k with its round's parts and the plain rows with their
+    roofline fraction."""
     from mtp_jax.config import DecodeConfig
     from mtp_jax.round_timing import RoundTimer, plain_step_bytes
     from mtp_jax.speculative import cache_slots
 
     timer = RoundTimer(model, ids, lens, args.max_new_tokens) if args.split else None
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False)
-    results = []
+    rows, runs = [], []
     for k in drafts:
         cfg = DecodeConfig(num_draft=k, **settings)
-        fields, tokens = time_ours(model, ids, lens, cfg, args.repeats)
-        row = {"impl": "mtp_jax", "batch": len(ids), "k": k, **fields}
+        row = {"impl": "mtp_jax", "batch": len(ids), "k": k}
         if timer is not None:
             row.update(timer.split(k))
         if timer is not None and k == 0:
-            step_bytes = plain_step_bytes(model, len(ids), cache_slots(ids.shape[1], cfg))
-            row["bytes_per_step"] = step_bytes
-            row["roofline_fraction"] = step_bytes / (row["ms_per_round"] / 1000) / bandwidth
-        results.append((row, tokens))
+            row["bytes_per_step"] = plain_step_bytes(model, len(ids), cache_slots(ids.shape[1], cfg))
+        rows.append(row)
+        runs.append(OursRun(model, ids, lens, cfg))
     if timer is not None and args.adaptive and max(drafts) > 0:
         costs = timer.adaptive_costs(max(drafts))
         cfg = DecodeConfig(num_draft=max(drafts), adaptive=True, round_costs=costs, **settings)
-        fields, tokens = time_ours(model, ids, lens, cfg, args.repeats)
-        results.append(({"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), **fields,
-                         "round_costs": list(costs)}, tokens))  # fmt: skip
+        rows.append({"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), "round_costs": list(costs)})
+        runs.append(OursRun(model, ids, lens, cfg))
+    if peer_run is not None:
+        rows.append({"impl": "transformers", "batch": len(ids), "k": 0})
+        runs.append(peer_run)
+    results = []
+    for row, run, walls in zip(rows, runs, interleaved_walls(runs, args.repeats), strict=True):
+        fields, tokens = run.result(walls)
+        row.update(fields)
+        if "bytes_per_step" in row:
+            row["roofline_fraction"] = row["bytes_per_step"] / (row["ms_per_round"] / 1000) / bandwidth
+        results.append((row, tokens))
     return results
 
 
@@ -341,7 +375,7 @@ def markdown(result: dict) -> str:
         f"- device: {meta['device']}; host: {meta['host']}",
         f"- versions: {versions}",
         f"- model: {meta['model']} ({meta['dtype']}); prompts: {meta['prompts']}; {meta['max_new_tokens']} new tokens "
-        f"per row; temperature {meta['temperature']}; median of {meta['repeats']} runs",
+        f"per row; temperature {meta['temperature']}; fastest of {meta['repeats']} interleaved runs",
         *(f"- note: {note}" for note in meta["notes"]),
     ]
     if meta.get("copy_bandwidth_gb_s"):

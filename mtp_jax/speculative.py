@@ -29,7 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from mtp_jax.adaptive import REST_ROUNDS, AcceptanceTracker, choose_round, estimated_round_costs, step_param_bytes
+from mtp_jax.adaptive import (
+    REST_ROUNDS,
+    AcceptanceTracker,
+    choose_round,
+    drafting_can_pay,
+    estimated_round_costs,
+    step_param_bytes,
+)
 from mtp_jax.cache import KVCache
 from mtp_jax.config import DecodeConfig
 from mtp_jax.models.causal_lm import CausalLM
@@ -95,13 +102,15 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 class _Round:
-    """One round with `num_draft` = j drafts (j <= cfg.num_draft); with `rest`, a plain step that skips the MTP layer
-    and queues its hidden and token in the MTP block (adaptive decoding, when the block has room)."""
+    """One round with `num_draft` = j drafts (j <= cfg.num_draft). Adaptive decoding also has plain steps that skip
+    the MTP layer: with `rest`, one that queues its hidden and token in the MTP block (when the block has room); with
+    `plain`, one that leaves the MTP state alone (when round costs say drafting can never pay)."""
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array,
-                 num_draft: int, rest: bool = False):  # fmt: skip
+                 num_draft: int, rest: bool = False, plain: bool = False):  # fmt: skip
         self.model, self.cfg, self.sampling, self.eos = model, cfg, sampling, eos
-        self.k, self.max_k, self.rest = num_draft, cfg.num_draft, rest
+        self.k, self.max_k, self.rest, self.plain = num_draft, cfg.num_draft, rest, plain
+        self.skips_mtp = rest or plain
         self.width = mtp_block_width(cfg)
 
     def choose(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -184,7 +193,7 @@ class _Round:
         k, max_k, cfg = self.k, self.max_k, self.cfg
         active = ~s.done
         batch = s.pending.shape[0]
-        if max_k > 0 and not self.rest:
+        if max_k > 0 and not self.skips_mtp:
             drafts, draft_probs, mtp_cache = self.draft(s)
             guess, guess_probs = drafts[:, 0], None if draft_probs is None else draft_probs[:, 0]
             drafts, draft_probs = drafts[:, :k], None if draft_probs is None else draft_probs[:, :k]
@@ -223,7 +232,7 @@ class _Round:
             reached=s.stats.reached + jnp.sum(judged, axis=0),
             accepted_at=s.stats.accepted_at + jnp.sum(passed, axis=0),
             rounds_with=s.stats.rounds_with.at[k].add(1),
-            rests=s.stats.rests + int(self.rest),
+            rests=s.stats.rests + int(self.skips_mtp),
         )
         keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
         state = s.replace(
@@ -243,7 +252,7 @@ class _Round:
                 mtp_tokens=jnp.where(append, emitted[:, :1], s.mtp_tokens),
                 mtp_count=keep(s.mtp_count + 1, s.mtp_count),
             )
-        elif max_k > 0:
+        elif max_k > 0 and not self.plain:
             widen = lambda x: jnp.pad(x, [(0, 0), (0, self.width - k - 1)] + [(0, 0)] * (x.ndim - 2))  # -> [B, W]
             state = state.replace(
                 mtp_cache=mtp_cache,
@@ -252,7 +261,7 @@ class _Round:
                 mtp_start=keep(s.position, s.mtp_start),
                 mtp_count=keep(accepted + 1, s.mtp_count),
             )
-        if s.tracker is not None and not self.rest:
+        if s.tracker is not None and not self.skips_mtp:
             if k == 0:  # no draft was judged: score the first draft against the target's token instead
                 if target_probs is None:
                     agreement = (guess == token).astype(jnp.float32)
@@ -267,18 +276,27 @@ class _Round:
 
 
 def _round_body(model, cfg: DecodeConfig, sampling, eos):
-    """The while-loop body: a round with cfg.num_draft drafts, or, adaptive, the round the policy picks (j = 0..k
-    drafts, or a rest while every active row's MTP block has a free slot)."""
+    """The while-loop body: a round with cfg.num_draft drafts, or, adaptive, what the policy picks: a round of
+    j = 0..k drafts, or rests until the MTP block is full (rests leave the acceptance estimate alone, so the choice
+    would not change in between; resting in an inner loop keeps the switch off the per-step path). Where the round
+    costs say no draft can pay, adaptive decoding is plain decoding."""
     if not cfg.adaptive or cfg.num_draft == 0:
         return _Round(model, cfg, sampling, eos, cfg.num_draft)
-    rounds = [_Round(model, cfg, sampling, eos, j) for j in range(cfg.num_draft + 1)]
-    rounds.append(_Round(model, cfg, sampling, eos, 0, rest=True))
-    costs = jnp.asarray(cfg.round_costs or _estimated_costs(model, cfg.num_draft), jnp.float32)
+    costs = cfg.round_costs or _estimated_costs(model, cfg.num_draft)
+    if not drafting_can_pay(costs):
+        return _Round(model, cfg, sampling, eos, 0, plain=True)
     width = mtp_block_width(cfg)
+    has_room = lambda s: jnp.all(s.done | (s.mtp_count < width))
+    rest = _Round(model, cfg, sampling, eos, 0, rest=True)
+
+    def rest_while_room(s: LoopState) -> LoopState:
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & has_room(s), rest, s)
+
+    rounds = [_Round(model, cfg, sampling, eos, j) for j in range(cfg.num_draft + 1)] + [rest_while_room]
+    costs = jnp.asarray(costs, jnp.float32)
 
     def body(s: LoopState) -> LoopState:
-        can_rest = jnp.all(s.done | (s.mtp_count < width))
-        return jax.lax.switch(choose_round(s.tracker, costs, can_rest), rounds, s)
+        return jax.lax.switch(choose_round(s.tracker, costs, has_room(s)), rounds, s)
 
     return body
 

@@ -13,7 +13,14 @@ import pytest
 
 import mtp_jax
 from checkpoints_convert.export import save_hf_folder
-from mtp_jax.adaptive import REST_ROUNDS, AcceptanceTracker, choose_round, estimated_round_costs, expected_tokens
+from mtp_jax.adaptive import (
+    REST_ROUNDS,
+    AcceptanceTracker,
+    choose_round,
+    drafting_can_pay,
+    estimated_round_costs,
+    expected_tokens,
+)
 from mtp_jax.decode import main as decode_main
 from mtp_jax.speculative import _prefill, _Round
 from tests.test_lossless_mtp import PROMPT_LENS, PROMPTS
@@ -76,6 +83,24 @@ def test_adaptive_greedy_equals_plain_through_every_draft_length():
     assert (rounds_with > 0).all(), rounds_with
     assert rounds_with.sum() == int(out.stats.rounds)
     assert 0 < rests < rounds_with[0], (rests, rounds_with)  # rests, and probes (rounds of j = 0 that were not rests)
+
+
+def test_costs_where_no_draft_can_pay_give_plain_decoding_without_probes():
+    assert drafting_can_pay((1.0, 1.75, 2.4, 3.0))
+    assert not drafting_can_pay((1.0, 2.0, 3.0, 4.0))  # all drafts accepted: one token per plain step, as resting
+    # All accepted, 0.909 tokens per plain step: below resting with dear probes (1 / (1 + 0.6 / 12) = 0.952) ...
+    assert not drafting_can_pay((1.6, 2.2, 3.3, 4.4))
+    assert drafting_can_pay((1.6, 2.2, 3.1, 4.4))  # ... and 3 / 3.1 = 0.968 above it
+    model = predictable_model("deepseek", 11)
+    key = jax.random.key(0)
+    plain = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=30))
+    cfg = mtp_jax.DecodeConfig(num_draft=3, max_new_tokens=30, adaptive=True, round_costs=(1.0, 2.0, 3.0, 4.0))
+    out = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, cfg)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(plain.lengths))
+    rounds = int(out.stats.rounds)
+    assert rounds == int(plain.stats.rounds) and int(out.stats.rests) == rounds  # no probe, no draft
+    assert np.asarray(out.stats.rounds_with).tolist() == [rounds, 0, 0, 0]
 
 
 def test_rests_then_catch_up_gives_the_mtp_cache_of_a_prefill():
