@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from mtp_jax.adaptive import (
     expected_tokens,
 )
 from mtp_jax.decode import main as decode_main
-from mtp_jax.speculative import _prefill, _Round
+from mtp_jax.speculative import _arguments, _generate, _prefill, _Round, cache_slots
 from tests.test_lossless_mtp import PROMPT_LENS, PROMPTS
 from tests.tiny_models import predictable_model
 
@@ -101,6 +102,30 @@ def test_costs_where_no_draft_can_pay_give_plain_decoding_without_probes():
     rounds = int(out.stats.rounds)
     assert rounds == int(plain.stats.rounds) and int(out.stats.rests) == rounds  # no probe, no draft
     assert np.asarray(out.stats.rounds_with).tolist() == [rounds, 0, 0, 0]
+
+
+def test_adaptive_rounds_update_the_trunk_cache_in_place():
+    """The adaptive loop moves between kinds of round without copying the trunk cache: no more copies of a cache
+    buffer in its compiled program than in plain decoding's (a round under `lax.switch`, a conditional whose branches
+    may not update their operands in place, copied the cache every round)."""
+    model = predictable_model("deepseek", 11)
+    key = jax.random.key(0)
+    settings = dict(max_new_tokens=20, stop_on_eos=False)
+    slots = cache_slots(PROMPTS.shape[1], mtp_jax.DecodeConfig(num_draft=3, **settings))
+    shapes = {f"{x.dtype}[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(
+        jax.eval_shape(lambda: model.new_cache(PROMPTS.shape[0], slots)))}  # fmt: skip
+    shapes = {s.replace("float32", "f32") for s in shapes}
+
+    def cache_copies(cfg) -> int:
+        args, static = _arguments(model, PROMPTS, PROMPT_LENS, key, cfg, None)
+        text = _generate.lower(*args, **static).compile().as_text()
+        return sum(len(re.findall(rf"= {re.escape(shape)}{{[0-9,]*}} copy\(", text)) for shape in shapes)
+
+    plain = cache_copies(mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=23, stop_on_eos=False))  # same slots
+    adaptive = cache_copies(
+        mtp_jax.DecodeConfig(num_draft=3, adaptive=True, round_costs=(1.0, 1.2, 1.4, 1.6), **settings)
+    )
+    assert 0 < plain and adaptive <= plain, (adaptive, plain)  # plain's: the cache's first fill, outside the loop
 
 
 def test_rests_then_catch_up_gives_the_mtp_cache_of_a_prefill():
