@@ -19,6 +19,8 @@ from flax import struct
 PRIOR_RATE = 0.5  # acceptance at depth 0 assumed before any evidence ...
 PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
 DECAY = 0.9  # per measured round: recent rounds count more, so the choice follows the text
+MARGIN = 0.05  # drafting must beat resting by this fraction: near break-even it gains nothing on average, while
+# the noise of a running estimate (one row judges one draft per depth a round) makes its wrong calls cost
 REST_ROUNDS = 12  # rests between probes: the MTP block of an adaptive loop holds this many slots more than k + 1
 
 
@@ -56,16 +58,17 @@ def expected_tokens(rates: jax.Array) -> jax.Array:
 
 def choose_round(tracker: AcceptanceTracker, round_costs: jax.Array, can_rest: jax.Array) -> jax.Array:
     """The next round, int32 [] in 0..k+1: j in 1..k drafts when that gives the most tokens per unit of time and
-    beats resting; otherwise k+1, a rest (a plain step that leaves the MTP layer alone), while the MTP block has room
-    (`can_rest`), and 0 when it is full: a probe, a plain step that runs the MTP layer over the rested tokens and
-    scores its first draft, which keeps the acceptance estimate current.
+    beats resting by MARGIN; otherwise k+1, a rest (a plain step that leaves the MTP layer alone), while the MTP
+    block has room (`can_rest`), and 0 when it is full: a probe, a plain step that runs the MTP layer over the
+    rested tokens and scores its first draft, which keeps the acceptance estimate current.
 
     A rest costs one plain step and a probe round_costs[0] (>= 1), once per REST_ROUNDS rests (`rest_value`)."""
     value = expected_tokens(tracker.rates()) / round_costs  # [k+1] tokens per plain step of time
     best = jnp.argmax(value[1:]) + 1
     max_draft = round_costs.shape[0] - 1
     resting = rest_value(round_costs[0])
-    return jnp.where(value[best] > resting, best, jnp.where(can_rest, max_draft + 1, 0)).astype(jnp.int32)
+    drafting_pays = value[best] > resting * (1.0 + MARGIN)
+    return jnp.where(drafting_pays, best, jnp.where(can_rest, max_draft + 1, 0)).astype(jnp.int32)
 
 
 def rest_value(probe_cost):
@@ -79,7 +82,7 @@ def drafting_can_pay(round_costs: tuple[float, ...]) -> bool:
     Where none can (a compute-bound device at a large batch), the policy would only ever rest and probe, so adaptive
     decoding is plain decoding, without the probes."""
     best = max((j + 1) / cost for j, cost in enumerate(round_costs) if j > 0)
-    return best > rest_value(round_costs[0])
+    return best > rest_value(round_costs[0]) * (1.0 + MARGIN)
 
 
 def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int) -> tuple[float, ...]:

@@ -55,11 +55,12 @@ def test_policy_drafts_what_pays_and_rests_otherwise():
     assert int(choose_round(good, steep, room)) == 4  # a verify row as dear as a whole step: rest (index k + 1)
     assert int(choose_round(poor, cheap, room)) == 4  # the head rarely agrees: rest
     assert int(choose_round(poor, cheap, full)) == 0  # ... until the block is full: probe
-    # One draft at acceptance 0.99 and cost 2.05 gives 0.971 tokens per plain step: less than resting with a free
-    # probe (1.0), more than resting with a dear one (1 / (1 + (c0 - 1) / REST_ROUNDS) = 1 / 1.05 = 0.952).
+    # One draft at acceptance 0.99 and cost 1.92 gives 1.0365 tokens per plain step: more than resting with a free
+    # probe (1.0), but not by MARGIN (5%); more than resting with a dear one (1 / (1 + (c0 - 1) / REST_ROUNDS) =
+    # 1 / 1.05 = 0.952) by more than MARGIN.
     even = AcceptanceTracker(hits=jnp.array([98.0]), trials=jnp.array([98.0]))  # rate 99/100
-    assert int(choose_round(even, jnp.array([1.0, 2.05]), room)) == 2
-    assert int(choose_round(even, jnp.array([1.0 + 0.05 * REST_ROUNDS, 2.05]), room)) == 1
+    assert int(choose_round(even, jnp.array([1.0, 1.92]), room)) == 2
+    assert int(choose_round(even, jnp.array([1.0 + 0.05 * REST_ROUNDS, 1.92]), room)) == 1
 
 
 def test_estimated_costs_from_bytes():
@@ -73,7 +74,7 @@ def test_adaptive_greedy_equals_plain_through_every_draft_length():
     key = jax.random.key(0)
     plain = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=60))
     # Costs near break-even for this head's acceptance (~0.8 at depth 0), so the policy moves between all of j = 0..3.
-    costs = (1.0, 1.75, 2.4, 3.0)
+    costs = (1.0, 1.55, 2.1, 2.7)
     cfg = mtp_jax.DecodeConfig(num_draft=3, max_new_tokens=60, adaptive=True, round_costs=costs)
     out = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, cfg)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
@@ -89,9 +90,10 @@ def test_adaptive_greedy_equals_plain_through_every_draft_length():
 def test_costs_where_no_draft_can_pay_give_plain_decoding_without_probes():
     assert drafting_can_pay((1.0, 1.75, 2.4, 3.0))
     assert not drafting_can_pay((1.0, 2.0, 3.0, 4.0))  # all drafts accepted: one token per plain step, as resting
-    # All accepted, 0.909 tokens per plain step: below resting with dear probes (1 / (1 + 0.6 / 12) = 0.952) ...
-    assert not drafting_can_pay((1.6, 2.2, 3.3, 4.4))
-    assert drafting_can_pay((1.6, 2.2, 3.1, 4.4))  # ... and 3 / 3.1 = 0.968 above it
+    # All accepted, 0.968 tokens per plain step: above resting with dear probes (1 / (1 + 0.6 / 12) = 0.952) but
+    # not by MARGIN; 3 / 2.9 = 1.034 is.
+    assert not drafting_can_pay((1.6, 2.2, 3.1, 4.4))
+    assert drafting_can_pay((1.6, 2.2, 2.9, 4.4))
     model = predictable_model("deepseek", 11)
     key = jax.random.key(0)
     plain = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=30))
