@@ -15,10 +15,10 @@ One round (k = num_draft):
      block position and each row keeps the one after its a + 1 inputs (`CausalLM.keep_verified`).
   5. The verify hiddens and accepted tokens become the next MTP block; n advances by a + 1.
 k = 0 skips 1-2 and is plain decoding through the same code.
-Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and a rest, and switches between them on
-device (mtp_jax.adaptive picks). A round with j = 0 (a probe) still runs step 1, to score a draft; a rest is a plain
-step that skips the MTP layer and appends its hidden and token to the MTP block, which for adaptive decoding has
-REST_ROUNDS spare slots; the next round with MTP catches the MTP cache up over all of them.
+Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and a rest, and moves between them on device
+(mtp_jax.adaptive picks; `_round_body`). A round with j = 0 (a probe) still runs step 1, to score a draft; a rest is
+a plain step that skips the MTP layer and appends its hidden and token to the MTP block, which for adaptive decoding
+has REST_ROUNDS spare slots; the next round with MTP catches the MTP cache up over all of them.
 """
 
 from __future__ import annotations

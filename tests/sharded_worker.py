@@ -29,7 +29,7 @@ from tests.tiny_models import predictable_model, tiny_config
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=4,model=2", "data=8,model=1")
 DRAFTS = (0, 2)
-ADAPTIVE_MESH = "data=2,model=4"  # adaptive rounds (j = 0 or 1 drafts, switched on device) on this mesh
+ADAPTIVE_MESH = "data=2,model=4"  # adaptive rounds (j = 0 or 1 drafts, picked on device) on this mesh
 MOE_MESH = "data=2,expert=2,model=2"  # the DeepSeek-V3 model decodes with one draft per round on this mesh
 HYBRID_MESH = "data=2,model=4"  # a Qwen3.5-shaped hybrid (DeltaNet states rolled back by selection), two drafts
 NEW_TOKENS = 24

@@ -150,7 +150,7 @@ def test_all_gather_check_catches_a_gathered_weight(report):
 
 
 def test_adaptive_rounds_on_a_mesh(report):
-    """Draft length picked on device each round (a switch over compiled rounds; the tracker is replicated)."""
+    """Draft length picked on device each round (an inner loop per kind of round; the tracker is replicated)."""
     run, reference = report["adaptive"], report["reference"]["0"]
     assert (run["tokens"], run["lengths"]) == (reference["tokens"], reference["lengths"])
     assert run["accepted"] > 0  # rounds with a draft ran
