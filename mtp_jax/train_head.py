@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="head folder to write")
     parser.add_argument("--checkpoint-dir", help="orbax checkpoints (default: OUT/checkpoints)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    parser.add_argument("--init", choices=("trunk-last", "existing", "random"), default="trunk-last")
+    parser.add_argument("--init", choices=("trunk-last", "existing", "random"), default="trunk-last",
+                        help="start from the trunk's last layer, the model's head (or --head), or random")  # fmt: skip
+    parser.add_argument("--head", help="with --init existing: the head folder to finetune (default: the model's "
+                        "own, or the shipped head of the default model)")  # fmt: skip
     parser.add_argument("--num-mtp-steps", type=int, default=3, help="K recursive steps in the objective")
     parser.add_argument(
         "--objective", choices=("ce", "kl"), default="ce",
@@ -118,7 +121,9 @@ def run(args) -> int:
 
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 4 or args.num_mtp_steps < 1:
         raise UserError("--steps, --batch-size, --num-mtp-steps must be >= 1 and --seq-len >= 4")
-    trunk, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
+    if args.head and args.init != "existing":
+        raise UserError("--head goes with --init existing")
+    trunk, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
     records = load_sequences(args.data, trunk, tokenizer)
     model = training_model(trunk, args, records)
     del trunk

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from flax import nnx
 
 import mtp_jax
@@ -216,6 +217,18 @@ def test_train_head_cli_trains_resumes_and_writes_a_head_that_decodes(tmp_path, 
         assert decode_main([str(a) for a in argv]) == 0, capsys.readouterr().err
         outputs[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert outputs["mtp"] == outputs["plain"]
+
+    # A second stage finetunes this head (--init existing --head): with a zero learning rate it comes out unchanged.
+    stage_two = tmp_path / "head2"
+    argv = ["--model", folder, "--data", data, "--out", stage_two, "--init", "existing", "--head", head, "--steps", 1,
+            "--lr", 0, "--batch-size", 4, "--seq-len", 16, "--draft-vocab", 12, "--dtype", "float32"]  # fmt: skip
+    assert train_main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    first, second = (safetensors.numpy.load_file(str(h / "head.safetensors")) for h in (head, stage_two))
+    assert first.keys() == second.keys()
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+    assert train_main([str(a) for a in [*argv, "--init", "trunk-last"]]) == 1  # the last --init counts
+    assert "--head goes with --init existing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 12])
