@@ -55,7 +55,8 @@ def all_gather_shapes(hlo: str) -> list[list[int]]:
 def decode(model, k: int, adaptive: bool = False):
     """(output as lists, the compiled program's text) of greedy decoding IDS."""
     graphdef, params = nnx.split(model)
-    cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=NEW_TOKENS, adaptive=adaptive)
+    costs = (1.0, 1.2) if adaptive else None  # cheap drafts, so the policy drafts (whatever a tiny model's bytes say)
+    cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=NEW_TOKENS, adaptive=adaptive, round_costs=costs)
     run = jax.jit(lambda p, i, n: mtp_jax.generate(nnx.merge(graphdef, p), i, n, jax.random.key(0), cfg))
     compiled = run.lower(params, IDS, LENS).compile()
     out = compiled(params, IDS, LENS)
