@@ -282,9 +282,9 @@ def _round_body(model, cfg: DecodeConfig, sampling, eos):
 
     The adaptive body is a sequence of inner while-loops, one per kind of round, each running while the policy picks
     its kind, rather than a `lax.switch` between the kinds: a branch of a conditional may not update its operands in
-    place, so every round through a switch copied the whole trunk cache (~20% of a plain step at batch 8 on CPU),
-    while a loop carries its buffers in place. Each pass of the body runs at least one round (the loop whose kind is
-    picked runs), so the outer loop ends when every row is done."""
+    place, so every round through a switch copied the whole trunk cache, while a loop carries its buffers in place.
+    Each pass of the body runs at least one round (the loop whose kind is picked runs), so the outer loop ends when
+    every row is done."""
     if not cfg.adaptive or cfg.num_draft == 0:
         return _Round(model, cfg, sampling, eos, cfg.num_draft)
     costs = cfg.round_costs or _estimated_costs(model, cfg.num_draft)
