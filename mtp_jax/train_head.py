@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--objective", choices=("ce", "kl"), default="ce",
         help="ce: cross-entropy on the data's next-next tokens; kl: match the trunk's next-token distribution",
     )  # fmt: skip
-    parser.add_argument("--draft-vocab", type=int, default=0, help="draft over the N most frequent tokens (0: all)")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="draft over the N most frequent tokens "
+                        "(0: all); --init existing keeps the head's own subset when it has N tokens")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=320)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -75,7 +76,11 @@ def training_model(trunk, args, records):
     elif args.init == "trunk-last":
         init_head_from_trunk(model, jax.random.key(args.seed))
     if draft_size:
-        model.draft_vocab[...] = frequent_tokens(records, vocab, draft_size)
+        kept = trunk.draft_vocab[...] if args.init == "existing" and trunk.draft_vocab is not None else None
+        if kept is not None and kept.shape[0] == draft_size:  # finetuning keeps the head's vocabulary of that size
+            model.draft_vocab[...] = kept
+        else:
+            model.draft_vocab[...] = frequent_tokens(records, vocab, draft_size)
     return model
 
 

@@ -247,3 +247,19 @@ def test_a_new_head_replaces_a_trunk_head_with_another_draft_vocabulary(draft_vo
     else:
         assert model.draft_vocab is None
     np.testing.assert_array_equal(model.embed[...], trunk.embed[...])
+
+
+@pytest.mark.parametrize("draft_vocab", [8, 12])
+def test_finetuning_a_head_keeps_its_draft_vocabulary_of_the_same_size(draft_vocab):
+    """--init existing on new data: the head's own 8-id subset stays (its rows were trained for it); another size is
+    counted afresh from the data."""
+    from mtp_jax.train_head import training_model
+
+    cfg = tiny_config()
+    trunk = mtp_jax.CausalLM(cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=8)), rngs=nnx.Rngs(0))
+    trunk.draft_vocab[...] = jnp.arange(8, 16, dtype=trunk.draft_vocab[...].dtype)
+    records = self_distilled_data(predictable_model("deepseek", seed=3), count=4, new_tokens=10)
+    model = training_model(trunk, argparse.Namespace(init="existing", draft_vocab=draft_vocab, seed=0), records)
+    expected = np.arange(8, 16) if draft_vocab == 8 else frequent_tokens(records, cfg.vocab_size, draft_vocab)
+    np.testing.assert_array_equal(model.draft_vocab[...], expected)
+    assert not np.array_equal(frequent_tokens(records, cfg.vocab_size, 8), np.arange(8, 16))  # the case is telling
