@@ -21,7 +21,13 @@ PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
 DECAY = 0.9  # per measured round: recent rounds count more, so the choice follows the text
 MARGIN = 0.05  # drafting must beat resting by this fraction: near break-even it gains nothing on average, while
 # the noise of a running estimate (one row judges one draft per depth a round) makes its wrong calls cost
-REST_ROUNDS = 12  # rests between probes: the MTP block of an adaptive loop holds this many slots more than k + 1
+REST_ROUNDS = 12  # the MTP block of an adaptive loop holds this many slots more than k + 1, for rests
+
+
+def probe_cycle(max_draft: int) -> int:
+    """Rounds from one probe to the next while resting: a probe leaves one slot of the MTP block (width k + 1 +
+    REST_ROUNDS) filled, and rests fill the rest of it."""
+    return max_draft + 1 + REST_ROUNDS
 
 
 @struct.dataclass
@@ -62,19 +68,20 @@ def choose_round(tracker: AcceptanceTracker, round_costs: jax.Array, can_rest: j
     block has room (`can_rest`), and 0 when it is full: a probe, a plain step that runs the MTP layer over the
     rested tokens and scores its first draft, which keeps the acceptance estimate current.
 
-    A rest costs one plain step and a probe round_costs[0] (>= 1), once per REST_ROUNDS rests (`rest_value`)."""
+    A rest costs one plain step and a probe round_costs[0] (>= 1), one probe per `probe_cycle` rounds."""
     value = expected_tokens(tracker.rates()) / round_costs  # [k+1] tokens per plain step of time
     best = jnp.argmax(value[1:]) + 1
     max_draft = round_costs.shape[0] - 1
-    resting = rest_value(round_costs[0])
+    resting = rest_value(round_costs[0], max_draft)
     drafting_pays = value[best] > resting * (1.0 + MARGIN)
     return jnp.where(drafting_pays, best, jnp.where(can_rest, max_draft + 1, 0)).astype(jnp.int32)
 
 
-def rest_value(probe_cost):
-    """Tokens per plain step of resting, a probe of cost c_0 every REST_ROUNDS rests: 1 / (1 + (c_0 - 1) / R)."""
+def rest_value(probe_cost, max_draft: int):
+    """Tokens per plain step of resting: a cycle of C = probe_cycle(k) rounds, C - 1 rests and a probe of cost c_0,
+    gives 1 / (1 + (c_0 - 1) / C)."""
     extra = probe_cost - 1.0
-    return 1.0 / (1.0 + (extra + abs(extra)) / (2 * REST_ROUNDS))  # max(extra, 0), for floats and arrays alike
+    return 1.0 / (1.0 + (extra + abs(extra)) / (2 * probe_cycle(max_draft)))  # max(extra, 0), floats and arrays
 
 
 def drafting_can_pay(round_costs: tuple[float, ...]) -> bool:
@@ -82,7 +89,7 @@ def drafting_can_pay(round_costs: tuple[float, ...]) -> bool:
     Where none can (a compute-bound device at a large batch), the policy would only ever rest and probe, so adaptive
     decoding is plain decoding, without the probes."""
     best = max((j + 1) / cost for j, cost in enumerate(round_costs) if j > 0)
-    return best > rest_value(round_costs[0]) * (1.0 + MARGIN)
+    return best > rest_value(round_costs[0], len(round_costs) - 1) * (1.0 + MARGIN)
 
 
 def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int) -> tuple[float, ...]:

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mtp_jax.adaptive import step_param_bytes
+from mtp_jax.adaptive import probe_cycle, step_param_bytes
 from mtp_jax.config import DecodeConfig
-from mtp_jax.speculative import _prefill, _Round, cache_slots
+from mtp_jax.speculative import _prefill, _Round, cache_slots, mtp_block_width
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "slots"))
@@ -34,9 +34,14 @@ def _prefilled_state(graphdef, params, prompt_ids, prompt_lens, cfg: DecodeConfi
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "part", "num_draft", "iterations"))
 def _repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
     model = nnx.merge(graphdef, params)
-    step = _Round(model, cfg, None, jnp.zeros((0,), jnp.int32), num_draft)
+    eos = jnp.zeros((0,), jnp.int32)
+    step = _Round(model, cfg, None, eos, num_draft)
     if part == "round":
         return jax.lax.fori_loop(0, iterations, lambda _, s: step(s), state)
+    if part == "cycle":  # an adaptive loop at rest: rests until its MTP block is full, then a probe (step, j = 0)
+        rest = _Round(model, cfg, None, eos, 0, rest=True)
+        cycle = lambda _, s: step(jax.lax.fori_loop(0, mtp_block_width(cfg) - 1, lambda _, t: rest(t), s))
+        return jax.lax.fori_loop(0, iterations, cycle, state)
     if part == "verify":
         drafts = jnp.zeros((state.pending.shape[0], num_draft), jnp.int32)  # [B, j]: the values do not matter
         active = jnp.ones(state.pending.shape, bool)
@@ -60,33 +65,36 @@ class RoundTimer:
         self._states = {}
 
     def _state(self, cfg: DecodeConfig):
-        if cfg.num_draft not in self._states:
+        if cfg not in self._states:
             slots = cache_slots(self.ids.shape[1], cfg)
-            self._states[cfg.num_draft] = _prefilled_state(self.graphdef, self.params, self.ids, self.lens, cfg, slots)
-        return self._states[cfg.num_draft]
+            self._states[cfg] = _prefilled_state(self.graphdef, self.params, self.ids, self.lens, cfg, slots)
+        return self._states[cfg]
 
-    def _part(self, part: str, max_draft: int, num_draft: int):
-        """A compiled, warmed-up call running `part` ("round", "verify" or "draft") with `num_draft` drafts
-        `iterations` times, in a loop whose MTP block is `max_draft` + 1 wide (max_draft > num_draft: an adaptive
-        loop's narrower round)."""
-        cfg = DecodeConfig(num_draft=max_draft, max_new_tokens=self.max_new_tokens, stop_on_eos=False)
+    def _part(self, part: str, max_draft: int, num_draft: int, adaptive: bool = False) -> tuple:
+        """A compiled, warmed-up call running `part` ("round", "verify", "draft", or an adaptive loop's resting
+        "cycle") with `num_draft` drafts, in a loop whose most drafts are `max_draft` (adaptive: with its wider MTP
+        block); and the number of rounds the call runs: `iterations`, or that many cycles' rounds."""
+        cfg = DecodeConfig(num_draft=max_draft, max_new_tokens=self.max_new_tokens, stop_on_eos=False,
+                           adaptive=adaptive)  # fmt: skip
+        iterations = max(1, self.iterations // mtp_block_width(cfg)) if part == "cycle" else self.iterations
         state = self._state(cfg)
-        run = functools.partial(_repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, self.iterations)
+        run = functools.partial(_repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, iterations)
         jax.block_until_ready(run())
-        return run
+        return run, iterations * (mtp_block_width(cfg) if part == "cycle" else 1)
 
-    def milliseconds(self, parts: list[tuple[str, int, int]]) -> list[float]:
-        """Time of one of each (part, max_draft, num_draft), in ms. The parts are timed in turn, `repeats` times
-        over, and each keeps its fastest: interference from the rest of the machine only ever adds time, and
-        turns taken in one sweep see the same machine, so ratios between the parts hold up on a busy host."""
+    def milliseconds(self, parts: list[tuple]) -> list[float]:
+        """Time per round of each (part, max_draft, num_draft[, adaptive]), in ms. The parts are timed in turn,
+        `repeats` times over, and each keeps its fastest: interference from the rest of the machine only ever adds
+        time, and turns taken in one sweep see the same machine, so ratios between the parts hold up on a busy
+        host."""
         runs = [self._part(*part) for part in parts]
         best = [math.inf] * len(runs)
         for _ in range(self.repeats):
-            for i, run in enumerate(runs):
+            for i, (run, _) in enumerate(runs):
                 start = time.perf_counter()
                 jax.block_until_ready(run())
                 best[i] = min(best[i], time.perf_counter() - start)
-        return [1000 * wall / self.iterations for wall in best]
+        return [1000 * wall / rounds for wall, (_, rounds) in zip(best, runs, strict=True)]
 
     def split(self, num_draft: int) -> dict:
         """A fixed-k loop's round: its whole time and its draft and verify parts, in ms."""
@@ -95,12 +103,19 @@ class RoundTimer:
         return {"round_ms": times[0], "verify_ms": times[1], "draft_ms": times[2] if num_draft else 0.0}
 
     def adaptive_costs(self, max_draft: int) -> tuple[float, ...]:
-        """Rounds with j = 0..max_draft drafts of an adaptive loop, over a plain loop's round (timed in the same
-        sweeps): its `round_costs`. A round does all the work of a round with fewer drafts (and of a plain one), so
-        timing noise that says otherwise is evened out: each cost is at least 1 and at least the one before."""
-        plain, *rounds = self.milliseconds([("round", 0, 0)] + [("round", max_draft, j) for j in range(max_draft + 1)])
-        costs = np.maximum.accumulate(np.maximum(np.asarray(rounds) / plain, 1.0))
-        return tuple(float(c) for c in costs)
+        """An adaptive loop's `round_costs`, over a plain loop's round (timed in the same sweeps): rounds with j =
+        1..max_draft drafts as the loop runs them (right after a probe or a drafting round, so over a narrow MTP
+        block), and for j = 0 the probe as it comes while resting: after rests filled the block, so catching the MTP
+        layer up over all of it. The probe's cost is read off a whole resting cycle (C - 1 rests and the probe, C =
+        the block width) less C - 1 plain steps, so whatever rests cost beyond a plain step is charged to it and
+        `rest_value` gets the cycle's time exactly. A drafting round does all the work of one with fewer drafts, so
+        timing noise that says otherwise is evened out: each cost is at least 1 and j >= 1 at least the one before."""
+        drafting_parts = [("round", max_draft, j, True) for j in range(1, max_draft + 1)]
+        plain, cycle, *rounds = self.milliseconds([("round", 0, 0), ("cycle", max_draft, 0, True), *drafting_parts])
+        width = probe_cycle(max_draft)
+        probe = max(width * cycle / plain - (width - 1), 1.0)
+        drafting = np.maximum.accumulate(np.maximum(np.asarray(rounds) / plain, 1.0))
+        return (float(probe), *(float(c) for c in drafting))
 
 
 def plain_step_bytes(model, batch: int, slots: int) -> int:

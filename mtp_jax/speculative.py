@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtp_jax.adaptive import (
-    REST_ROUNDS,
     AcceptanceTracker,
     choose_round,
     drafting_can_pay,
     estimated_round_costs,
+    probe_cycle,
     step_param_bytes,
 )
 from mtp_jax.cache import KVCache
@@ -93,7 +93,7 @@ def _row_keys(row_keys: jax.Array, round_index: jax.Array, purpose: int) -> jax.
 
 def mtp_block_width(cfg: DecodeConfig) -> int:
     """Slots W of the MTP block: the k + 1 a round can accept, and REST_ROUNDS more for adaptive decoding's rests."""
-    return cfg.num_draft + 1 + (REST_ROUNDS if cfg.adaptive and cfg.num_draft > 0 else 0)
+    return probe_cycle(cfg.num_draft) if cfg.adaptive and cfg.num_draft > 0 else cfg.num_draft + 1
 
 
 def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ from mtp_jax.adaptive import (
     drafting_can_pay,
     estimated_round_costs,
     expected_tokens,
+    probe_cycle,
 )
 from mtp_jax.decode import main as decode_main
 from mtp_jax.speculative import _arguments, _generate, _prefill, _Round, cache_slots
@@ -56,11 +57,15 @@ def test_policy_drafts_what_pays_and_rests_otherwise():
     assert int(choose_round(poor, cheap, room)) == 4  # the head rarely agrees: rest
     assert int(choose_round(poor, cheap, full)) == 0  # ... until the block is full: probe
     # One draft at acceptance 0.99 and cost 1.92 gives 1.0365 tokens per plain step: more than resting with a free
-    # probe (1.0), but not by MARGIN (5%); more than resting with a dear one (1 / (1 + (c0 - 1) / REST_ROUNDS) =
-    # 1 / 1.05 = 0.952) by more than MARGIN.
+    # probe (1.0), but not by MARGIN (5%); more than resting with a dear one (1 / (1 + (c0 - 1) / C) = 1 / 1.05 =
+    # 0.952, C = probe_cycle(1) rounds from probe to probe) by more than MARGIN.
     even = AcceptanceTracker(hits=jnp.array([98.0]), trials=jnp.array([98.0]))  # rate 99/100
     assert int(choose_round(even, jnp.array([1.0, 1.92]), room)) == 2
-    assert int(choose_round(even, jnp.array([1.0 + 0.05 * REST_ROUNDS, 1.92]), room)) == 1
+    assert probe_cycle(1) == REST_ROUNDS + 2  # one draft: a block of 2 slots and the rests' REST_ROUNDS
+    assert int(choose_round(even, jnp.array([1.0 + 0.05 * probe_cycle(1), 1.92]), room)) == 1
+    # A probe of 1.17 spread over the cycle's 14 rounds leaves resting 0.988, and 1.05 * 0.988 > 1.0365: rest. Spread
+    # over REST_ROUNDS (12) rounds only, it would leave 0.986 and drafting would win.
+    assert int(choose_round(even, jnp.array([1.17, 1.92]), room)) == 2
 
 
 def test_estimated_costs_from_bytes():

@@ -53,7 +53,8 @@ def test_bench_random_shape(tmp_path, capsys):
     for r in rows:
         if r["impl"] == "mtp_jax adaptive":
             costs = r["round_costs"]
-            assert len(costs) == 3 and costs[0] >= 1 and costs == sorted(costs)
+            # the probe (j = 0, over a block filled by rests) may cost more than a narrow drafting round
+            assert len(costs) == 3 and min(costs) >= 1 and costs[1:] == sorted(costs[1:])
             assert sum(r["rounds_by_num_draft"]) == r["rounds"]
     assert "| mtp_jax | 2 | 2 |" in capsys.readouterr().out
 
@@ -111,3 +112,26 @@ def test_round_parts_time_a_hybrid_trunk():
     ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
     split = RoundTimer(predictable_hybrid_model(0), ids, lens, 8, iterations=2, repeats=1).split(2)
     assert all(math.isfinite(v) and v > 0 for v in split.values()), split
+
+
+def test_resting_cycle_part_is_the_adaptive_loops_rests_then_a_probe():
+    """The probe's cost in an adaptive loop's round costs is read off this part: one cycle must be the block width's
+    rests less one, then one probe over the filled block, leaving the block as a probe does (one slot)."""
+    from flax import nnx as flax_nnx
+
+    from mtp_jax.adaptive import probe_cycle
+    from mtp_jax.config import DecodeConfig
+    from mtp_jax.round_timing import _prefilled_state, _repeat_part
+
+    model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
+    ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
+    cfg = DecodeConfig(num_draft=2, max_new_tokens=40, stop_on_eos=False, adaptive=True)
+    graphdef, params = flax_nnx.split(model)
+    state = _prefilled_state(graphdef, params, ids, lens, cfg, 64)
+    after = _repeat_part(graphdef, params, state, cfg, "cycle", 0, 1)
+    width = probe_cycle(2)
+    assert int(after.stats.rounds) == width and int(after.stats.rests) == width - 1
+    assert np.asarray(after.mtp_count).tolist() == [1, 1]
+    np.testing.assert_array_equal(np.asarray(after.mtp_start), np.asarray(lens) + width - 1)  # the probed slot
+    costs = RoundTimer(model, ids, lens, 40, iterations=2, repeats=1).adaptive_costs(2)
+    assert len(costs) == 3 and all(c >= 1 for c in costs) and costs[2] >= costs[1], costs
