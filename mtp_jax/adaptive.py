@@ -22,6 +22,7 @@ DECAY = 0.9  # per measured round: recent rounds count more, so the choice follo
 MARGIN = 0.05  # drafting must beat resting by this fraction: near break-even it gains nothing on average, while
 # the noise of a running estimate (one row judges one draft per depth a round) makes its wrong calls cost
 REST_ROUNDS = 12  # the MTP block of an adaptive loop holds this many slots more than k + 1, for rests
+LONGEST_REST = 256  # the most rests that slide the MTP block between two probes (RestSchedule)
 
 
 def probe_cycle(max_draft: int) -> int:
@@ -56,6 +57,38 @@ class AcceptanceTracker:
         return AcceptanceTracker(hits=DECAY * self.hits + hits, trials=DECAY * self.trials + trials)
 
 
+@struct.dataclass
+class RestSchedule:
+    """When a resting loop probes next. While the MTP block has room, rests queue their hiddens and tokens in it;
+    once it is full, the probe comes after `allowance` more rests, each of which slides the block: its oldest entry
+    is dropped, so the MTP layer never runs over that position, and from then on attends to its cache only from the
+    block's start (a shorter context, which can cost acceptance but never exactness). The allowance grows with each
+    probe (to the block's width, then doubling, up to LONGEST_REST) and is 0 again after a drafting round, so a
+    head that keeps not paying is probed ever more rarely and costs ever less of the MTP layer's upkeep.
+
+    slides: int32 [] rests that slid the block since the last probe or drafting round; allowance: int32 []."""
+
+    slides: jax.Array
+    allowance: jax.Array
+
+    @classmethod
+    def start(cls) -> RestSchedule:
+        return cls(slides=jnp.int32(0), allowance=jnp.int32(0))
+
+    def may_rest(self, block_has_room: jax.Array) -> jax.Array:
+        return block_has_room | (self.slides < self.allowance)
+
+    def after_probe(self, block_width: int) -> RestSchedule:
+        grown = jnp.clip(2 * self.allowance, block_width, LONGEST_REST)
+        return RestSchedule(slides=jnp.int32(0), allowance=grown.astype(jnp.int32))
+
+    def after_draft(self) -> RestSchedule:
+        return RestSchedule.start()
+
+    def after_rest(self, slid: jax.Array) -> RestSchedule:
+        return RestSchedule(slides=self.slides + slid.astype(jnp.int32), allowance=self.allowance)
+
+
 def expected_tokens(rates: jax.Array) -> jax.Array:
     """Tokens a round emits on average with j = 0..k drafts: [k+1]."""
     reach = jnp.concatenate([jnp.ones((1,), rates.dtype), jnp.cumprod(rates)])  # P(draft j is judged), bonus last
@@ -64,11 +97,12 @@ def expected_tokens(rates: jax.Array) -> jax.Array:
 
 def choose_round(tracker: AcceptanceTracker, round_costs: jax.Array, can_rest: jax.Array) -> jax.Array:
     """The next round, int32 [] in 0..k+1: j in 1..k drafts when that gives the most tokens per unit of time and
-    beats resting by MARGIN; otherwise k+1, a rest (a plain step that leaves the MTP layer alone), while the MTP
-    block has room (`can_rest`), and 0 when it is full: a probe, a plain step that runs the MTP layer over the
-    rested tokens and scores its first draft, which keeps the acceptance estimate current.
+    beats resting by MARGIN; otherwise k+1, a rest (a plain step that leaves the MTP layer alone), while `can_rest`
+    (the MTP block has room, or RestSchedule allows sliding it), and 0 when not: a probe, a plain step that runs the
+    MTP layer over the rested tokens and scores its first draft, which keeps the acceptance estimate current.
 
-    A rest costs one plain step and a probe round_costs[0] (>= 1), one probe per `probe_cycle` rounds."""
+    A rest costs one plain step and a probe round_costs[0] (>= 1); resting is valued at one probe per
+    `probe_cycle` rounds, its dearest (RestSchedule probes more rarely as resting goes on)."""
     value = expected_tokens(tracker.rates()) / round_costs  # [k+1] tokens per plain step of time
     best = jnp.argmax(value[1:]) + 1
     max_draft = round_costs.shape[0] - 1

@@ -366,8 +366,9 @@ class DecodeConfig:
     stop_on_eos: stop a row at the model's EOS ids (a checkpoint without one decodes to max_new_tokens).
     adaptive: each round drafts j <= num_draft tokens, j chosen on device from running acceptance and
       `round_costs` (mtp_jax.adaptive); num_draft is then the most a round may draft.
-    round_costs: time of a round with j = 0..num_draft drafts over a plain round (measured, e.g. by
-      `python -m mtp_jax.bench`); None estimates them from parameter bytes (right for memory-bound devices).
+    round_costs: time of a round with j = 0..num_draft drafts over a plain round, j = 0 being a probe over an MTP
+      block that rests filled (measured, e.g. by `python -m mtp_jax.bench`); None estimates them from parameter
+      bytes (right for memory-bound devices).
     """
 
     num_draft: int = 3

@@ -18,7 +18,9 @@ k = 0 skips 1-2 and is plain decoding through the same code.
 Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and a rest, and moves between them on device
 (mtp_jax.adaptive picks; `_round_body`). A round with j = 0 (a probe) still runs step 1, to score a draft; a rest is
 a plain step that skips the MTP layer and appends its hidden and token to the MTP block, which for adaptive decoding
-has REST_ROUNDS spare slots; the next round with MTP catches the MTP cache up over all of them.
+has REST_ROUNDS spare slots; the next round with MTP catches the MTP cache up over all of them. Long rests slide the
+block instead (mtp_jax.adaptive.RestSchedule): the MTP cache then skips the dropped positions, and `mtp_visible_from`
+hides everything before the block from the MTP layer's attention.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from flax import nnx, struct
 
 from mtp_jax.adaptive import (
     AcceptanceTracker,
+    RestSchedule,
     choose_round,
     drafting_can_pay,
     estimated_round_costs,
@@ -81,9 +84,11 @@ class LoopState:
     mtp_tokens: jax.Array | None  # [B, W]
     mtp_start: jax.Array | None  # [B]
     mtp_count: jax.Array | None  # [B]
+    mtp_visible_from: jax.Array | None  # [B] adaptive decoding: MTP cache slots before it are stale (skipped)
     row_keys: jax.Array  # [B] one random stream per row
     stats: DecodeStats
     tracker: AcceptanceTracker | None  # adaptive decoding only
+    rest_schedule: RestSchedule | None  # adaptive decoding only
 
 
 def _row_keys(row_keys: jax.Array, round_index: jax.Array, purpose: int) -> jax.Array:
@@ -129,7 +134,7 @@ class _Round:
                 hidden, tokens, start, count, mtp_cache = block
                 slots = jnp.arange(width)
                 hidden, normed, mtp_cache = self.model.mtp_step(
-                    hidden[:, :width], tokens[:, :width], start[:, None] + slots, mtp_cache
+                    hidden[:, :width], tokens[:, :width], start[:, None] + slots, mtp_cache, s.mtp_visible_from
                 )
                 last = jnp.minimum(count, width) - 1  # done rows may hold more; their results are dropped
                 return _gather_rows(hidden, last), _gather_rows(normed, last), mtp_cache
@@ -158,7 +163,7 @@ class _Round:
                 dists.append(self.scatter_draft_probs(probs))
             if i + 1 < self.k:
                 hidden, normed, mtp_cache = model.mtp_step(
-                    hidden[:, None], token[:, None], (position + i)[:, None], mtp_cache
+                    hidden[:, None], token[:, None], (position + i)[:, None], mtp_cache, s.mtp_visible_from
                 )
                 hidden, normed = hidden[:, 0], normed[:, 0]
         draft_probs = jnp.stack(dists, axis=1) if dists else None
@@ -245,13 +250,8 @@ class _Round:
             cache=cache,
             stats=stats,
         )
-        if self.rest:  # queue (h[n], x[n+1]) in the block's next slot; the MTP cache waits
-            append = active[:, None] & (jnp.arange(self.width) == s.mtp_count[:, None])  # [B, W]
-            state = state.replace(
-                mtp_hidden=jnp.where(append[..., None], hidden[:, :1], s.mtp_hidden),
-                mtp_tokens=jnp.where(append, emitted[:, :1], s.mtp_tokens),
-                mtp_count=keep(s.mtp_count + 1, s.mtp_count),
-            )
+        if self.rest:
+            state = self.queue(state, s, active, hidden[:, 0], emitted[:, 0])
         elif max_k > 0 and not self.plain:
             widen = lambda x: jnp.pad(x, [(0, 0), (0, self.width - k - 1)] + [(0, 0)] * (x.ndim - 2))  # -> [B, W]
             state = state.replace(
@@ -261,6 +261,13 @@ class _Round:
                 mtp_start=keep(s.position, s.mtp_start),
                 mtp_count=keep(accepted + 1, s.mtp_count),
             )
+        if s.rest_schedule is not None and not self.plain:
+            schedule = s.rest_schedule
+            if self.rest:
+                schedule = schedule.after_rest(jnp.any(active & (s.mtp_count >= self.width)))
+            else:
+                schedule = schedule.after_probe(self.width) if k == 0 else schedule.after_draft()
+            state = state.replace(rest_schedule=schedule)
         if s.tracker is not None and not self.skips_mtp:
             if k == 0:  # no draft was judged: score the first draft against the target's token instead
                 if target_probs is None:
@@ -273,6 +280,25 @@ class _Round:
                 hits, trials = jnp.sum(passed, axis=0), jnp.sum(judged, axis=0)
             state = state.replace(tracker=s.tracker.update(hits.astype(jnp.float32), trials.astype(jnp.float32)))
         return state
+
+    def queue(self, state: LoopState, s: LoopState, active, hidden, token) -> LoopState:
+        """A rest's (h[n] [B, D], x[n+1] [B]) into each active row's MTP block: its next slot while it has room;
+        else the block slides, dropping its oldest entry: the MTP cache will skip that position, so the MTP layer
+        attends to none of its cache before the block's new start. The MTP cache waits for the next catch-up."""
+        full = s.mtp_count >= self.width  # [B]
+        slide = active & full
+        append = (active & ~full)[:, None] & (jnp.arange(self.width) == s.mtp_count[:, None])  # [B, W]
+        slid_hidden = jnp.concatenate([s.mtp_hidden[:, 1:], hidden[:, None]], axis=1)  # [B, W, D]
+        slid_tokens = jnp.concatenate([s.mtp_tokens[:, 1:], token[:, None]], axis=1)  # [B, W]
+        start = jnp.where(slide, s.mtp_start + 1, s.mtp_start)
+        return state.replace(
+            mtp_hidden=jnp.where(slide[:, None, None], slid_hidden, jnp.where(append[..., None], hidden[:, None],
+                                                                               s.mtp_hidden)),
+            mtp_tokens=jnp.where(slide[:, None], slid_tokens, jnp.where(append, token[:, None], s.mtp_tokens)),
+            mtp_start=start,
+            mtp_count=jnp.where(active & ~full, s.mtp_count + 1, s.mtp_count),
+            mtp_visible_from=jnp.where(slide, start, s.mtp_visible_from),
+        )  # fmt: skip
 
 
 def _round_body(model, cfg: DecodeConfig, sampling, eos):
@@ -297,8 +323,8 @@ def _round_body(model, cfg: DecodeConfig, sampling, eos):
 
     def picks(choice: int):
         def cond(s: LoopState) -> jax.Array:
-            has_room = jnp.all(s.done | (s.mtp_count < width))
-            return ~jnp.all(s.done) & (choose_round(s.tracker, costs, has_room) == choice)
+            may_rest = s.rest_schedule.may_rest(jnp.all(s.done | (s.mtp_count < width)))
+            return ~jnp.all(s.done) & (choose_round(s.tracker, costs, may_rest) == choice)
 
         return cond
 
@@ -356,9 +382,11 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
         mtp_tokens=None,
         mtp_start=None,
         mtp_count=None,
+        mtp_visible_from=None,
         row_keys=row_keys,
         stats=stats,
         tracker=AcceptanceTracker.start(k) if cfg.adaptive and k > 0 else None,
+        rest_schedule=RestSchedule.start() if cfg.adaptive and k > 0 else None,
     )
     if k == 0:
         return state
@@ -375,6 +403,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
         mtp_tokens=jnp.zeros((batch, width), jnp.int32).at[:, 0].set(first),
         mtp_start=last,
         mtp_count=jnp.ones((batch,), jnp.int32),
+        mtp_visible_from=jnp.zeros((batch,), jnp.int32) if cfg.adaptive else None,
     )
 
 

@@ -11,12 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mtp_jax
 from checkpoints_convert.export import save_hf_folder
 from mtp_jax.adaptive import (
+    LONGEST_REST,
     REST_ROUNDS,
     AcceptanceTracker,
+    RestSchedule,
     choose_round,
     drafting_can_pay,
     estimated_round_costs,
@@ -24,9 +27,10 @@ from mtp_jax.adaptive import (
     probe_cycle,
 )
 from mtp_jax.decode import main as decode_main
+from mtp_jax.shapes import SHAPES
 from mtp_jax.speculative import _arguments, _generate, _prefill, _Round, cache_slots
 from tests.test_lossless_mtp import PROMPT_LENS, PROMPTS
-from tests.tiny_models import predictable_model
+from tests.tiny_models import predictable_model, tiny_config
 
 
 def test_expected_tokens_matches_enumeration_of_outcomes():
@@ -92,11 +96,41 @@ def test_adaptive_greedy_equals_plain_through_every_draft_length():
     assert 0 < rests < rounds_with[0], (rests, rounds_with)  # rests, and probes (rounds of j = 0 that were not rests)
 
 
+def test_rest_schedule_probes_ever_more_rarely_until_a_draft():
+    schedule, width = RestSchedule.start(), 15
+    assert not bool(schedule.may_rest(jnp.bool_(False)))  # full block, no allowance yet: probe
+    assert bool(schedule.may_rest(jnp.bool_(True)))  # a block with room always takes a rest
+    allowances = []
+    for _ in range(7):
+        schedule = schedule.after_probe(width)
+        allowances.append(int(schedule.allowance))
+        for _ in range(int(schedule.allowance)):
+            assert bool(schedule.may_rest(jnp.bool_(False)))
+            schedule = schedule.after_rest(jnp.bool_(True))
+        assert not bool(schedule.may_rest(jnp.bool_(False)))
+    assert allowances == [15, 30, 60, 120, 240, LONGEST_REST, LONGEST_REST]
+    assert int(schedule.after_rest(jnp.bool_(False)).slides) == int(schedule.slides)  # rests with room do not count
+    assert not bool(schedule.after_draft().may_rest(jnp.bool_(False)))
+
+
+def test_long_rests_slide_the_block_and_stay_exact():
+    """A head that never pays (random): after the first probes the loop rests through the run, sliding its MTP block
+    and probing ever more rarely (fewer probes than one per block's worth of rests); greedy output is plain's."""
+    model = mtp_jax.CausalLM(tiny_config("deepseek", eos=()), rngs=nnx.Rngs(2))
+    key, settings = jax.random.key(0), dict(max_new_tokens=120, stop_on_eos=False)
+    plain = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, mtp_jax.DecodeConfig(num_draft=0, **settings))
+    cfg = mtp_jax.DecodeConfig(num_draft=2, adaptive=True, round_costs=(1.0, 1.3, 1.6), **settings)
+    out = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, cfg)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    rests, probes = int(out.stats.rests), int(out.stats.rounds_with[0]) - int(out.stats.rests)
+    assert rests > 90 and 0 < probes < rests // (probe_cycle(2) - 1), (rests, probes)
+
+
 def test_costs_where_no_draft_can_pay_give_plain_decoding_without_probes():
     assert drafting_can_pay((1.0, 1.75, 2.4, 3.0))
     assert not drafting_can_pay((1.0, 2.0, 3.0, 4.0))  # all drafts accepted: one token per plain step, as resting
-    # All accepted, 0.968 tokens per plain step: above resting with dear probes (1 / (1 + 0.6 / 12) = 0.952) but
-    # not by MARGIN; 3 / 2.9 = 1.034 is.
+    # All accepted, 0.968 tokens per plain step: above resting with dear probes (1 / (1 + 0.6 / 16) = 0.964, a probe
+    # every probe_cycle(3) = 16 rounds) but not by MARGIN (1.012); 3 / 2.9 = 1.034 is.
     assert not drafting_can_pay((1.6, 2.2, 3.1, 4.4))
     assert drafting_can_pay((1.6, 2.2, 2.9, 4.4))
     model = predictable_model("deepseek", 11)
@@ -208,3 +242,43 @@ def test_cli_bad_adaptive_settings_are_refused(checkpoint_folder, capsys, tmp_pa
     assert code != 0
     err = capsys.readouterr().err.strip()
     assert message in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("shape", ["tiny", "deepseek-v3-tiny", "qwen3.5-tiny"])  # GQA, MLA and gated attention
+def test_sliding_rests_leave_the_mtp_layer_the_blocks_context_only(shape):
+    """Rests past a full MTP block slide it: the probe's catch-up then runs the MTP layer over the last W positions
+    only, attending to none of its older cache (stale across the skipped positions). So its output must equal the
+    MTP layer over those W trunk hiddens and next tokens with no cache at all, at positions shifted to start at 0
+    (rotary attention depends on relative positions only). A wrong slide (slot, token, start) or a missing mask
+    gives another output; the last lines show that the stale prefix, were it visible, would change it."""
+    model = mtp_jax.CausalLM(SHAPES[shape](), rngs=nnx.Rngs(4))
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=40, adaptive=True, stop_on_eos=False)
+    width, slides = probe_cycle(2), 5
+    lens = jnp.asarray([3, 6], jnp.int32)
+    ids = jnp.asarray([[5, 9, 7, 0, 0, 0], [8, 4, 6, 10, 11, 12]], jnp.int32)
+    slots, eos, keys = 64, jnp.zeros((0,), jnp.int32), jax.random.split(jax.random.key(0), 2)
+    state = _prefill(model, cfg, None, eos, ids, lens, keys, slots)
+    rest = jax.jit(_Round(model, cfg, None, eos, 0, rest=True))
+    for _ in range(width - 1 + slides):
+        state = rest(state)
+    start = np.asarray(lens) - 1 + slides  # the block's first position
+    np.testing.assert_array_equal(np.asarray(state.mtp_start), start)
+    np.testing.assert_array_equal(np.asarray(state.mtp_visible_from), start)
+    assert np.asarray(state.mtp_count).tolist() == [width, width]
+    _, normed, _ = _Round(model, cfg, None, eos, 1).catch_up(state)
+
+    tokens = np.asarray(state.tokens)
+    for r in range(2):
+        text = list(np.asarray(ids[r, : lens[r]])) + list(tokens[r, : width + slides])  # through the pending token
+        n = len(text) - 1  # the pending token's position
+        assert n == start[r] + width
+        trunk_ids = jnp.asarray([text[:n]], jnp.int32)
+        hidden, _ = model.trunk(trunk_ids, jnp.arange(n)[None], model.new_cache(1, slots))  # [1, n, D]
+        block_hidden = hidden[:, start[r] : n]  # h[start .. n-1]
+        block_tokens = jnp.asarray([text[start[r] + 1 : n + 1]], jnp.int32)  # x[start+1 .. n]
+        _, expected, _ = model.mtp_step(block_hidden, block_tokens, jnp.arange(width)[None], model.new_mtp_cache(1, 8))
+        np.testing.assert_allclose(np.asarray(normed[r]), np.asarray(expected[0, -1]), atol=1e-4, rtol=1e-4)
+
+    # With the stale prefix visible (no mask) the output moves: the check above can fail.
+    _, unmasked, _ = _Round(model, cfg, None, eos, 1).catch_up(state.replace(mtp_visible_from=jnp.zeros_like(lens)))
+    assert not np.allclose(np.asarray(unmasked), np.asarray(normed), atol=1e-3)

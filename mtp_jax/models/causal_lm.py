@@ -50,16 +50,16 @@ class LayerStack(nnx.Module):
         """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
         return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype)
 
-    def __call__(self, x, positions, rope, cache, lengths=None, every_state: bool = False):
+    def __call__(self, x, positions, rope, cache, lengths=None, every_state: bool = False, visible_from=None):
         """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`).
         `lengths` and `every_state` concern recurrent layers only (models/hybrid_stack.py): attention caches roll
-        back by length."""
+        back by length. `visible_from` [B]: cache slots before it are not attended to (None: all are)."""
         graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
         past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
 
         def run(x, layer_inputs):
             layer_params, *layer_past = layer_inputs
-            x, *new = nnx.merge(graphdef, layer_params)(x, positions, rope, *layer_past)
+            x, *new = nnx.merge(graphdef, layer_params)(x, positions, rope, *layer_past, visible_from=visible_from)
             return x, tuple(new)
 
         x, new = jax.lax.scan(run, x, (stacked, *past))  # each new entry: [L, B, T, ...]
@@ -95,11 +95,12 @@ class MtpModule(nnx.Module):
         positions: jax.Array,  # [B, T]
         rope,
         cache,  # the MTP layer's cache: KVCache [1, B, S, K, H] or LatentCache [1, B, S, C]
+        visible_from: jax.Array | None = None,  # [B]: cache slots before it are not attended to
     ) -> tuple[jax.Array, jax.Array, object]:
         e, h = self.token_norm(token_embeds), self.hidden_norm(hidden)
         fused = jnp.concatenate([h, e] if self.hidden_first else [e, h], axis=-1)  # [B, T, 2D]
         x = jnp.einsum("BTE,ED->BTD", fused, self.proj[...])
-        x, cache = self.block(x, positions, rope, cache)
+        x, cache = self.block(x, positions, rope, cache, visible_from=visible_from)
         return x, self.final_norm(x), cache
 
 
@@ -218,12 +219,15 @@ class CausalLM(nnx.Module):
         next_tokens: jax.Array,  # [B, T]
         positions: jax.Array,  # [B, T]
         cache,
+        visible_from: jax.Array | None = None,  # [B]
     ) -> tuple[jax.Array, jax.Array, object]:
-        """One MTP pass: (hidden to feed a deeper draft [B, T, D], normed hidden for logits [B, T, D], cache)."""
+        """One MTP pass: (hidden to feed a deeper draft [B, T, D], normed hidden for logits [B, T, D], cache).
+        With `visible_from`, the MTP layer attends to none of its cache slots before it (the cache of an adaptive
+        loop that skipped the MTP layer over a stretch of positions)."""
         with jax.named_scope("mtp"):
             if self.mtp.embed is None:
                 embeds = self.embed_tokens(next_tokens)
             else:
                 embeds = constrain(jnp.take(self.mtp.embed[...], next_tokens, axis=0), HIDDEN)
-            raw, normed, cache = self.mtp(hidden, embeds, positions, self.rope(positions), cache)
+            raw, normed, cache = self.mtp(hidden, embeds, positions, self.rope(positions), cache, visible_from)
             return (normed if self.config.mtp.recurse_normed else raw), normed, cache

@@ -31,6 +31,7 @@ def grouped_attention(
     positions: jax.Array,  # [B, T] absolute positions, contiguous per row
     past_k: jax.Array,  # [B, S, K, H] the cache; slots >= positions[:, 0] are ignored
     past_v: jax.Array,  # [B, S, K, H]
+    visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
 ) -> jax.Array:
     """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
     block itself (one softmax over both, float32)."""
@@ -39,7 +40,7 @@ def grouped_attention(
     f32 = jnp.float32
     past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k.astype(q.dtype), preferred_element_type=f32)
     block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
-    past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions)
+    past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs.astype(q.dtype), past_v.astype(q.dtype))
     out = out + jnp.einsum("BKGTU,BUKH->BTKGH", block_probs.astype(q.dtype), v)
     return out.reshape(b, t, n, h)
@@ -66,6 +67,7 @@ class GatedAttention(nnx.Module):
         rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, R] over the R rotary dims
         past_k: jax.Array,  # [B, S, K, H]
         past_v: jax.Array,  # [B, S, K, H]
+        visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         with jax.named_scope("gated_attention"):
@@ -73,6 +75,6 @@ class GatedAttention(nnx.Module):
             k = self.k_norm(jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...]))
             v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v)
+            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from)
             out = out * jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", x, self.gate_proj[...]))
             return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...]), k, v

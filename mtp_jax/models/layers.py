@@ -103,6 +103,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool =
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def visible_slots(slots: int, positions: jax.Array, visible_from: jax.Array | None) -> jax.Array:
+    """[B, S] bool: the cache slots a block at `positions` [B, T] attends to: those before it (later ones are stale:
+    rollback is by length), and none before `visible_from` [B] when given (an MTP cache that skipped positions)."""
+    visible = jnp.arange(slots)[None, :] < positions[:, :1]
+    if visible_from is not None:
+        visible &= jnp.arange(slots)[None, :] >= visible_from[:, None]
+    return visible
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with optional qkv/o bias and per-head q/k RMSNorm, over a fixed-shape cache."""
 
@@ -130,6 +139,7 @@ class Attention(nnx.Module):
         rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, H]
         past_k: jax.Array,  # [B, S, K, H] this layer's cache; slots >= positions[:, 0] are ignored
         past_v: jax.Array,  # [B, S, K, H]
+        visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
@@ -147,7 +157,7 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h) * self.scale  # [B, T, K, G, H]
         f32 = jnp.float32
         past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k.astype(q.dtype), preferred_element_type=f32)
-        past_visible = jnp.arange(past_k.shape[1])[None, :] < positions[:, :1]  # [B, S]
+        past_visible = visible_slots(past_k.shape[1], positions, visible_from)  # [B, S]
         past_scores = jnp.where(past_visible[:, None, None, None, :], past_scores, -jnp.inf)
         block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
         causal = jnp.tril(jnp.ones((t, t), bool))  # [T, U]
@@ -198,15 +208,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope, *past):
+    def __call__(self, x, positions, rope, *past, visible_from=None):
         """x [B, T, D] and this layer's cache arrays -> (x, *this block's cache entries).
 
         GQA: past = (keys, values) [B, S, K, H], new keys and values [B, T, K, H]. MLA: past = (latents [B, S, C],),
-        new latents [B, T, C].
+        new latents [B, T, C]. `visible_from` [B]: cache slots before it are not attended to (None: all are).
         """
         x = constrain(x, HIDDEN)
         with jax.named_scope("attention"):
-            attn_out, *new = self.attn(self.input_norm(x), positions, rope, *past)
+            attn_out, *new = self.attn(self.input_norm(x), positions, rope, *past, visible_from=visible_from)
         x = x + constrain(attn_out, HIDDEN)
         with jax.named_scope("mlp"):
             x = x + constrain(self.mlp(self.post_attention_norm(x)), HIDDEN)

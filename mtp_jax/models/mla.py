@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig, RopeConfig
-from mtp_jax.models.layers import RMSNorm, _init, apply_rope
+from mtp_jax.models.layers import RMSNorm, _init, apply_rope, visible_slots
 
 
 def yarn_softmax_mscale(rope: RopeConfig) -> float:
@@ -36,11 +36,12 @@ def past_and_block_probs(
     past_scores: jax.Array,  # [..., T, S] float32 scores against the cache
     block_scores: jax.Array,  # [..., T, U] float32 scores within the new block
     positions: jax.Array,  # [B, T]; the leading axis of the scores is B
+    visible_from: jax.Array | None = None,  # [B]
 ) -> tuple[jax.Array, jax.Array]:
-    """One softmax over cache slots before the block (later slots are stale: rollback is by length) and, causally,
-    the block itself; returns the two parts of the probabilities."""
+    """One softmax over the visible cache slots (`visible_slots`) and, causally, the block itself; returns the two
+    parts of the probabilities."""
     slots, t = past_scores.shape[-1], block_scores.shape[-1]
-    visible = jnp.arange(slots)[None, :] < positions[:, :1]  # [B, S]
+    visible = visible_slots(slots, positions, visible_from)  # [B, S]
     visible = visible.reshape(visible.shape[:1] + (1,) * (past_scores.ndim - 2) + visible.shape[1:])
     past_scores = jnp.where(visible, past_scores, -jnp.inf)
     block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
@@ -98,6 +99,7 @@ class MultiHeadLatentAttention(nnx.Module):
         rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, P]
         past: jax.Array,  # [B, S, C] this layer's latent cache; slots >= positions[:, 0] are ignored
         absorb: bool | None = None,
+        visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
     ) -> tuple[jax.Array, jax.Array]:
         """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way."""
         q = self.queries(x)
@@ -107,10 +109,10 @@ class MultiHeadLatentAttention(nnx.Module):
         if absorb is None:
             absorb = self.absorbs(x.shape[1])
         attend = self._absorbed if absorb else self._expanded
-        out = attend(q_nope * self.scale, q_rope * self.scale, past.astype(x.dtype), block, positions)  # [B,T,N,W]
+        out = attend(q_nope * self.scale, q_rope * self.scale, past.astype(x.dtype), block, positions, visible_from)
         return jnp.einsum("BTNW,NWD->BTD", out, self.o_proj[...]), block
 
-    def _expanded(self, q_nope, q_rope, past, block, positions):
+    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from):
         """Per-head keys and values from every latent, then ordinary attention."""
         kv_b = self.kv_b_proj[...]
         f32 = jnp.float32
@@ -125,11 +127,11 @@ class MultiHeadLatentAttention(nnx.Module):
         past_scores += jnp.einsum("BTNP,BSP->BNTS", q_rope, past_rope, preferred_element_type=f32)
         block_scores = jnp.einsum("BTNH,BUNH->BNTU", q_nope, block_k, preferred_element_type=f32)
         block_scores += jnp.einsum("BTNP,BUP->BNTU", q_rope, block_rope, preferred_element_type=f32)
-        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions)
+        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
         out = jnp.einsum("BNTS,BSNW->BTNW", past_probs.astype(past_v.dtype), past_v)
         return out + jnp.einsum("BNTU,BUNW->BTNW", block_probs.astype(block_v.dtype), block_v)
 
-    def _absorbed(self, q_nope, q_rope, past, block, positions):
+    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from):
         """Queries moved into latent space (q_nope . W_uk), attention over latents, W_uv applied to the result."""
         kv_b = self.kv_b_proj[...]
         w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
@@ -138,7 +140,7 @@ class MultiHeadLatentAttention(nnx.Module):
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, C]: matches a cached row [latent, rope]
         past_scores = jnp.einsum("BTNC,BSC->BNTS", query, past, preferred_element_type=f32)
         block_scores = jnp.einsum("BTNC,BUC->BNTU", query, block, preferred_element_type=f32)
-        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions)
+        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
         r = self.latent_rank
         out_latent = jnp.einsum("BNTS,BSR->BTNR", past_probs.astype(past.dtype), past[..., :r])
         out_latent += jnp.einsum("BNTU,BUR->BTNR", block_probs.astype(block.dtype), block[..., :r])
