@@ -164,10 +164,13 @@ class OursRun:
 
 def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
     """Wall seconds [run][repeat]: every run once per sweep, `repeats` sweeps, so that a slow spell of the machine
-    (other load, clocks) costs all configurations alike rather than whichever was running then."""
+    (other load, clocks) costs all configurations alike rather than whichever was running then. Sweeps alternate
+    their order (forward, backward, ...): a place in the sweep that is slower or faster (the first run after the
+    previous sweep's last, a drifting clock) then falls on no configuration more than on another."""
     walls = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, times in zip(runs, walls, strict=True):
+    for sweep in range(repeats):
+        order = list(zip(runs, walls, strict=True))
+        for run, times in order if sweep % 2 == 0 else order[::-1]:
             times.append(run())
     return walls
 

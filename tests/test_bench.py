@@ -135,3 +135,13 @@ def test_resting_cycle_part_is_the_adaptive_loops_rests_then_a_probe():
     np.testing.assert_array_equal(np.asarray(after.mtp_start), np.asarray(lens) + width - 1)  # the probed slot
     costs = RoundTimer(model, ids, lens, 40, iterations=2, repeats=1).adaptive_costs(2)
     assert len(costs) == 3 and all(c >= 1 for c in costs) and costs[2] >= costs[1], costs
+
+
+def test_sweeps_alternate_their_order():
+    from mtp_jax.bench import interleaved_walls
+
+    calls = []
+    runs = [lambda name=name: calls.append(name) or float(len(calls)) for name in "abc"]
+    walls = interleaved_walls(runs, 3)
+    assert "".join(calls) == "abccbaabc"
+    assert walls == [[1.0, 6.0, 7.0], [2.0, 5.0, 8.0], [3.0, 4.0, 9.0]]  # per configuration, in sweep order
