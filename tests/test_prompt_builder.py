@@ -41,3 +41,12 @@ def test_distill_start_out_of_range_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--start" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "d.jsonl").exists()
+
+
+def test_buckets_pad_by_at_most_a_third_and_stay_few():
+    from mtp_jax.prompts import bucket
+
+    widths = {bucket(n) for n in range(1, 1025)}
+    assert sorted(widths) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert all(bucket(n) >= n and (n <= 16 or bucket(n) * 2 < n * 3) for n in range(1, 1025))
+    assert [bucket(n, minimum=32) for n in (1, 33, 49, 70)] == [32, 48, 64, 96]
