@@ -2,8 +2,8 @@
 
 For each (batch size, k) the decode loop is compiled once ahead of time (timed apart); then every configuration of
 a batch size (ours for each k, the adaptive loop, transformers) runs once per sweep, `--repeats` sweeps, and each
-keeps its fastest wall time: interference from the rest of the machine only ever adds time, and interleaving spreads
-a slow spell over all configurations. EOS does not stop any row, on either side, so every row
+keeps its fastest wall time: interference from the rest of the machine only ever adds time, and interleaving (in
+alternating order) spreads a slow spell over all configurations. EOS does not stop any row, on either side, so every row
 generates exactly --max-new-tokens tokens and tokens/s compare equal work.
 """
 
