@@ -112,7 +112,7 @@ def bucket(length: int, minimum: int = 16) -> int:
     padding (powers of two alone: up to half)."""
     width = minimum
     while width < length:
-        if width * 3 // 2 >= length and (width * 3) % 2 == 0:
+        if width % 2 == 0 and width * 3 // 2 >= length:
             return width * 3 // 2
         width *= 2
     return width

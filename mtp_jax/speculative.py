@@ -250,8 +250,9 @@ class _Round:
             cache=cache,
             stats=stats,
         )
+        full = s.mtp_count >= self.width if self.rest else None  # [B] rows whose rest slides the MTP block
         if self.rest:
-            state = self.queue(state, s, active, hidden[:, 0], emitted[:, 0])
+            state = self.queue(state, s, active & ~full, active & full, hidden[:, 0], emitted[:, 0])
         elif max_k > 0 and not self.plain:
             widen = lambda x: jnp.pad(x, [(0, 0), (0, self.width - k - 1)] + [(0, 0)] * (x.ndim - 2))  # -> [B, W]
             state = state.replace(
@@ -264,7 +265,7 @@ class _Round:
         if s.rest_schedule is not None and not self.plain:
             schedule = s.rest_schedule
             if self.rest:
-                schedule = schedule.after_rest(jnp.any(active & (s.mtp_count >= self.width)))
+                schedule = schedule.after_rest(jnp.any(active & full))
             else:
                 schedule = schedule.after_probe(self.width) if k == 0 else schedule.after_draft()
             state = state.replace(rest_schedule=schedule)
@@ -281,13 +282,12 @@ class _Round:
             state = state.replace(tracker=s.tracker.update(hits.astype(jnp.float32), trials.astype(jnp.float32)))
         return state
 
-    def queue(self, state: LoopState, s: LoopState, active, hidden, token) -> LoopState:
-        """A rest's (h[n] [B, D], x[n+1] [B]) into each active row's MTP block: its next slot while it has room;
-        else the block slides, dropping its oldest entry: the MTP cache will skip that position, so the MTP layer
-        attends to none of its cache before the block's new start. The MTP cache waits for the next catch-up."""
-        full = s.mtp_count >= self.width  # [B]
-        slide = active & full
-        append = (active & ~full)[:, None] & (jnp.arange(self.width) == s.mtp_count[:, None])  # [B, W]
+    def queue(self, state: LoopState, s: LoopState, grow, slide, hidden, token) -> LoopState:
+        """A rest's (h[n] [B, D], x[n+1] [B]) into the MTP block of each active row: into its next slot where it has
+        room (`grow` [B]); where it is full (`slide` [B]) the block slides, dropping its oldest entry: the MTP cache
+        will skip that position, so the MTP layer attends to none of its cache before the block's new start. The
+        MTP cache waits for the next catch-up."""
+        append = grow[:, None] & (jnp.arange(self.width) == s.mtp_count[:, None])  # [B, W]
         slid_hidden = jnp.concatenate([s.mtp_hidden[:, 1:], hidden[:, None]], axis=1)  # [B, W, D]
         slid_tokens = jnp.concatenate([s.mtp_tokens[:, 1:], token[:, None]], axis=1)  # [B, W]
         start = jnp.where(slide, s.mtp_start + 1, s.mtp_start)
@@ -296,7 +296,7 @@ class _Round:
                                                                                s.mtp_hidden)),
             mtp_tokens=jnp.where(slide[:, None], slid_tokens, jnp.where(append, token[:, None], s.mtp_tokens)),
             mtp_start=start,
-            mtp_count=jnp.where(active & ~full, s.mtp_count + 1, s.mtp_count),
+            mtp_count=jnp.where(grow, s.mtp_count + 1, s.mtp_count),
             mtp_visible_from=jnp.where(slide, start, s.mtp_visible_from),
         )  # fmt: skip
 
