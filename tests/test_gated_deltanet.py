@@ -24,6 +24,7 @@ from mtp_jax.models.gated_deltanet import (
     chunked_delta_rule,
     l2_normalize,
     recurrent_delta_rule,
+    unit_lower_inverse,
 )
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -119,6 +120,15 @@ def _verify(layer: GatedDeltaNet, x, state):
 def _hf_state(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' cached (conv [B, C, W] -> our [B, W-1, C], recurrent [B, N, H, Y]) of layer 0."""
     return cache.get_conv_state(0)[..., 1:].transpose(1, 2), cache.get_recurrent_state(0)
+
+
+@pytest.mark.parametrize("size", [1, 4, 13, CHUNK])
+def test_unit_lower_inverse_matches_numpy(size):
+    """Block-doubling inverse of 1 + strictly_lower(a) against numpy's, over sizes that are and are not powers of
+    two; what lies on and above the diagonal of a is never read."""
+    a = np.random.default_rng(size).uniform(-0.5, 0.5, size=(3, size, size)).astype(np.float32)
+    expected = np.linalg.inv(np.eye(size) + np.tril(a.astype(np.float64), -1))
+    _close(jax.jit(unit_lower_inverse)(jnp.asarray(a)), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_delta_rules_match_transformers_references():

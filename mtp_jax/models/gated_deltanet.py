@@ -9,7 +9,7 @@ head n keeps a state S [H, Y] and reads key head n // G:
     S <- exp(g) S;   S <- S + k (beta (v - k^T S))^T;   out = S^T q
 
 then the gated norm rmsnorm(out) * w * silu(z) and out_proj. The chunked form computes the same thing 64 tokens
-at a time (a unit-triangular solve within a chunk, one state update per chunk); the recurrent form scans token by
+at a time (a unit lower-triangular system within a chunk, solved by its inverse; one state update per chunk); the recurrent form scans token by
 token and also returns the state after every position, so the speculative loop can keep the state at the accepted
 index.
 
@@ -117,6 +117,29 @@ def recurrent_delta_rule(
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
+_EXACT = jax.lax.Precision.HIGHEST  # float32 matmuls in full precision (not TF32 / bf16 passes) on GPU and TPU
+
+
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(1 + strictly_lower(a))^-1 for a [..., L, L], in matmuls only, by doubling the diagonal blocks it inverts:
+    with D the blocks of size s and E the lower-left s-block inside each 2s-block, E D^-1 E = 0, so
+    (D + E)^-1 = D^-1 - D^-1 E D^-1. Starts from the identity (blocks of size 1); log2(L) steps.
+
+    (Rather than lax.linalg.triangular_solve: on CPU that is LAPACK's strsm, whose batch threads wait on XLA's
+    intra-op pool; two solves in flight at once fill a two-thread pool and wait on each other for ever.)"""
+    size = a.shape[-1]
+    rows = jnp.arange(size)
+    inverse = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), a.shape)
+    block = 1
+    while block < size:
+        same_pair = rows[:, None] // (2 * block) == rows[None, :] // (2 * block)
+        lower_left = ((rows[:, None] // block) % 2 == 1) & ((rows[None, :] // block) % 2 == 0) & same_pair
+        joining = jnp.where(lower_left, a, 0)  # [..., L, L]
+        inverse = inverse - jnp.matmul(inverse, jnp.matmul(joining, inverse, precision=_EXACT), precision=_EXACT)
+        block *= 2
+    return inverse
+
+
 def chunked_delta_rule(
     q: jax.Array,  # [B, T, N, H] float32, normalised and scaled
     k: jax.Array,  # [B, T, N, H] float32, normalised
@@ -148,13 +171,11 @@ def chunked_delta_rule(
     causal = jnp.tril(jnp.ones((size, size), bool))  # [L, U]
     decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [B, N, I, L, U]
 
-    system = jnp.einsum("BNILH,BNIUH->BNILU", k_beta, k) * decay  # only its strictly lower part is read
-
-    def solve(rhs: jax.Array) -> jax.Array:
-        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
-
-    new_values = solve(v_beta)  # [B, N, I, L, Y]
-    key_reads = solve(k_beta * jnp.exp(cum)[..., None])  # [B, N, I, L, H] how much of the state each token reads
+    inverse = unit_lower_inverse(jnp.einsum("BNILH,BNIUH->BNILU", k_beta, k) * decay)  # [B, N, I, L, U]
+    new_values = jnp.einsum("BNILU,BNIUY->BNILY", inverse, v_beta, precision=_EXACT)
+    key_reads = jnp.einsum(  # how much of the state each token reads
+        "BNILU,BNIUH->BNILH", inverse, k_beta * jnp.exp(cum)[..., None], precision=_EXACT
+    )
     intra = jnp.einsum("BNILH,BNIUH->BNILU", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
