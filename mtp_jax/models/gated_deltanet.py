@@ -9,9 +9,9 @@ head n keeps a state S [H, Y] and reads key head n // G:
     S <- exp(g) S;   S <- S + k (beta (v - k^T S))^T;   out = S^T q
 
 then the gated norm rmsnorm(out) * w * silu(z) and out_proj. The chunked form computes the same thing 64 tokens
-at a time (a unit lower-triangular system within a chunk, solved by its inverse; one state update per chunk); the recurrent form scans token by
-token and also returns the state after every position, so the speculative loop can keep the state at the accepted
-index.
+at a time (a unit lower-triangular system within a chunk, solved by its inverse; one state update per chunk); the
+recurrent form scans token by token and also returns the state after every position, so the speculative loop can
+keep the state at the accepted index.
 
 Einsum letters (with B, T, D of layers.py): C conv channels (q of every key head, then k, then v of every value
 head), W conv width, K key heads, N value heads, G value heads per key head (N / K), H key head dim, Y value head
