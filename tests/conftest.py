@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 # Tests run tiny models, where XLA's compile time dwarfs run time: compile with most optimizations off (also in the
-# subprocesses and notebook kernels the tests start, which inherit the environment). Benchmarks never run this way.
+# subprocesses and notebook kernels the tests start, which inherit the environment), except where a test runs the
+# real default model (`optimized_compiles`). Benchmarks never run this way.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import pytest
@@ -65,3 +66,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def optimized_compiles():
+    """XLA's optimizations back on: a 135M-parameter model runs several times slower without them, far more than
+    they add to its compile time."""
+    import jax
+
+    previous = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)

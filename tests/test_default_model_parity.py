@@ -18,6 +18,8 @@ PROMPTS = [
 ]
 NEW_TOKENS = 40
 
+pytestmark = pytest.mark.usefixtures("optimized_compiles")  # conftest.py
+
 
 @pytest.mark.slow
 def test_greedy_tokens_equal_transformers(default_model, hf_model):

@@ -39,6 +39,7 @@ def test_notebook_runs(name, tmp_path, monkeypatch, request):
 
     if name in USES_DEFAULT_MODEL:
         request.getfixturevalue("smollm2_path")  # fails in CI, skips elsewhere, when the default model is missing
+        monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")  # as the `optimized_compiles` fixture (conftest.py)
     # A kernel of this interpreter, whatever kernelspecs the machine has installed.
     kernel_dir = tmp_path / "jupyter" / "kernels" / "mtp_jax_test"
     kernel_dir.mkdir(parents=True)

@@ -1,7 +1,7 @@
 """Sharded decoding on a `jax.sharding` mesh: same greedy tokens as one device, shards of 1/M, no weight all-gathers.
 
 JAX fixes its device count when its backend starts, and this pytest process already runs on one CPU device, so
-the mesh checks run in child processes: tests/sharded_worker.py with 8 CPU devices (meshes 1x8, 2x4, 4x2, 8x1;
+the mesh checks run in child processes: tests/sharded_worker.py with 8 CPU devices (meshes 1x8, 2x4, 8x1;
 adaptive rounds; a DeepSeek-V3 model with latent attention and routed experts on data=2,expert=2,model=2), and
 `python -m mtp_jax.decode` twice, as two processes of 4 CPU devices joined by `jax.distributed` on localhost.
 """

@@ -16,6 +16,8 @@ from mtp_jax.prompts import encode_prompts, pad_batch
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "What is 17 times 23? Show your steps."]
 
+pytestmark = pytest.mark.usefixtures("optimized_compiles")  # conftest.py
+
 
 def test_the_default_model_has_a_shipped_head():
     assert os.path.isfile(os.path.join(DEFAULT_HEAD, HEAD_CONFIG))
