@@ -46,11 +46,13 @@ def _repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draf
         drafts = jnp.zeros((state.pending.shape[0], num_draft), jnp.int32)  # [B, j]: the values do not matter
         active = jnp.ones(state.pending.shape, bool)
 
-        def verify(_, cache):  # the trunk pass, then each row's recurrent states kept (hybrid trunks), as a round does
-            accepted, _, _, verified, _ = step.verify(state, drafts, None, cache)
-            return model.keep_verified(cache, verified, accepted, active)
+        def verify(_, carry):  # the trunk pass, lm_head and acceptance; recurrent states kept (hybrid trunks)
+            cache, tokens = carry
+            accepted, token, _, verified, _ = step.verify(state, drafts, None, cache)
+            # the emitted tokens are carried: without a use, XLA drops the logits of a dense trunk as dead code
+            return model.keep_verified(cache, verified, accepted, active), tokens + token + accepted
 
-        return jax.lax.fori_loop(0, iterations, verify, state.cache)
+        return jax.lax.fori_loop(0, iterations, verify, (state.cache, jnp.zeros_like(state.pending)))
     draft = lambda _, mtp_cache: step.draft(state.replace(mtp_cache=mtp_cache))[2]
     return jax.lax.fori_loop(0, iterations, draft, state.mtp_cache)
 

@@ -145,3 +145,19 @@ def test_sweeps_alternate_their_order():
     walls = interleaved_walls(runs, 3)
     assert "".join(calls) == "abccbaabc"
     assert walls == [[1.0, 6.0, 7.0], [2.0, 5.0, 8.0], [3.0, 4.0, 9.0]]  # per configuration, in sweep order
+
+
+def test_verify_part_computes_the_logits():
+    """The timed verify pass of a dense trunk (no recurrent states to keep) still computes its lm_head over the
+    block: a program that dropped it as dead code would time the trunk's layers alone."""
+    from mtp_jax.config import DecodeConfig
+    from mtp_jax.round_timing import _prefilled_state, _repeat_part
+
+    model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
+    vocab = model.config.vocab_size
+    ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
+    cfg = DecodeConfig(num_draft=2, max_new_tokens=8, stop_on_eos=False)
+    graphdef, params = nnx.split(model)
+    state = _prefilled_state(graphdef, params, ids, lens, cfg, 16)
+    hlo = _repeat_part.lower(graphdef, params, state, cfg, "verify", 2, 1).compile().as_text()
+    assert f"f32[2,3,{vocab}]" in hlo, f"no [B, j+1, V] logits in the verify part's program (V = {vocab})"
