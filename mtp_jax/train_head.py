@@ -147,19 +147,18 @@ def run(args) -> int:
         print(f"resumed from step {trainer.step}", file=sys.stderr)
     log = []
     start = time.perf_counter()
-    bar = tqdm(total=args.steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr)
-    while trainer.step < args.steps:
-        metrics = trainer.train_step(data.batch(trainer.step, args.batch_size, args.seed))
-        bar.update(1)
-        if trainer.step % args.eval_every == 0 or trainer.step == args.steps:
-            entry = {"step": trainer.step, "loss": float(metrics["loss"]),
-                     "accuracy_per_step": np.asarray(metrics["acc"]).round(4).tolist()}  # fmt: skip
-            if eval_data is not None:
-                entry["eval"] = evaluate(trainer.model(), eval_data, args.num_mtp_steps)
-            log.append(entry)
-            bar.write(json.dumps(entry), file=sys.stderr)
-            trainer.save(checkpoints)
-    bar.close()
+    with tqdm(total=args.steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr) as bar:
+        while trainer.step < args.steps:
+            metrics = trainer.train_step(data.batch(trainer.step, args.batch_size, args.seed))
+            bar.update(1)
+            if trainer.step % args.eval_every == 0 or trainer.step == args.steps:
+                entry = {"step": trainer.step, "loss": float(metrics["loss"]),
+                         "accuracy_per_step": np.asarray(metrics["acc"]).round(4).tolist()}  # fmt: skip
+                if eval_data is not None:
+                    entry["eval"] = evaluate(trainer.model(), eval_data, args.num_mtp_steps)
+                log.append(entry)
+                bar.write(json.dumps(entry), file=sys.stderr)
+                trainer.save(checkpoints)
     save_head(trainer.model(), args.out)
     report = {
         "train_seconds": time.perf_counter() - start,

@@ -18,7 +18,7 @@ PROMPTS = [
 ]
 NEW_TOKENS = 40
 
-pytestmark = pytest.mark.usefixtures("optimized_compiles")  # conftest.py
+pytestmark = pytest.mark.usefixtures("optimized_compiles", "one_torch_thread")  # conftest.py
 
 
 @pytest.mark.slow
