@@ -26,6 +26,24 @@ def pytest_sessionstart(session):
         pass  # the smollm2_path fixture reports it where a test needs the model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """Drop JAX's compiled programs after each test module.
+
+    `generate` and friends are module-level jits keyed by the model's graphdef, so every tiny model a test builds
+    keeps its programs cached for the life of the process. XLA CPU maps each program's JIT code into a few memory
+    regions; a test worker that ran a dozen modules reached the kernel's 65530-mapping limit (vm.max_map_count),
+    the next JIT link failed ("Failed to materialize symbols") and the error's C++ throw segfaulted in libgcc's
+    unwinder. Programs are still shared within a module."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The default model's GGUF; CI must have it (its install step fetches it), elsewhere a missing copy skips."""
