@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "own, or the shipped head of the default model)")  # fmt: skip
     parser.add_argument("--num-mtp-steps", type=int, default=3, help="K recursive steps in the objective")
     parser.add_argument(
-        "--objective", choices=("ce", "kl"), default="ce",
-        help="ce: cross-entropy on the data's next-next tokens; kl: match the trunk's next-token distribution",
+        "--objective", choices=("ce", "kl", "tv"), default="ce",
+        help="ce: cross-entropy on the data's next-next tokens; kl / tv: match the trunk's next-token distribution "
+        "(KL divergence / total variation, the latter the rejection rate of sampled verification at temperature 1)",
     )  # fmt: skip
     parser.add_argument("--draft-vocab", type=int, default=0, help="draft over the N most frequent tokens "
                         "(0: all); --init existing keeps the head's own subset when it has N tokens")  # fmt: skip

@@ -6,10 +6,11 @@ k > 1 step k-1's output at slot s-1. So the chain started at t reaches slot t+k-
 from h[t] and the true tokens x[t+1..t+k] — the recursion a decode round runs. Loss weights
 alpha_k = beta^(k-1) / sum_j beta^(j-1).
 
-Two objectives: "ce", cross-entropy on the token x[s+2]; "kl", KL(p || q) from the trunk's own next-token
-distribution p at slot s+1 (over the draft vocabulary, renormalized) to the draft distribution q. The second gives
-every position a whole distribution to match instead of one token, the quantity sampled verification accepts by (a
-draft survives with probability sum_x min(p(x), q(x))); docs/benchmarks.md has the two compared on one data set.
+Three objectives: "ce", cross-entropy on the token x[s+2]; "kl", KL(p || q) from the trunk's own next-token
+distribution p at slot s+1 (over the draft vocabulary, renormalized) to the draft distribution q; "tv", the total
+variation 1 - sum_x min(p(x), q(x)) between the same two. The last two give every position a whole distribution to
+match instead of one token; "tv" is one minus the probability that sampled verification at temperature 1 accepts the
+draft, so it trains for exactly that. docs/benchmarks.md has them compared on one data set.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
 
     objective "ce": cross-entropy on x[s+2]; target_index [V] maps a token id to its index in the draft vocabulary
     (-1 outside it; those targets are not counted: drafts cannot propose them). "kl": KL(p || q) from the trunk's
-    distribution at slot s+1 (the one that picked x[s+2]) to the draft's, at every slot. Accuracy counts argmax
+    distribution at slot s+1 (the one that picked x[s+2]) to the draft's, at every slot; "tv": their total variation
+    1 - sum min(p, q). Accuracy counts argmax
     matches of x[s+2] either way.
     """
     tokens, (batch_size, width) = batch.tokens, batch.tokens.shape
@@ -81,19 +83,21 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
     in_text = (slots + 2 < batch.lengths[:, None]) & (slots + 2 >= batch.loss_start[:, None])
     if objective == "ce":
         in_text &= target_draft >= 0
-    elif objective == "kl":
+    elif objective in ("kl", "tv"):
         next_hidden = jnp.concatenate([batch.hidden[:, 1:], jnp.zeros_like(batch.hidden[:, :1])], axis=1)  # h[s+1]
         teacher = trunk_draft_log_probs(model, next_hidden)  # [B, T, Vd]
     else:
-        raise ValueError(f"unknown objective {objective!r}; known: ce, kl")
+        raise ValueError(f"unknown objective {objective!r}; known: ce, kl, tv")
     safe_target = jnp.maximum(target_draft, 0)
     losses, accuracies, counts = [], [], []
     for step, logits in enumerate(step_logits(model, tokens, batch.hidden, num_steps)):
         log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, T, Vd]
         if objective == "ce":
             loss = -jnp.take_along_axis(log_q, safe_target[..., None], -1)[..., 0]
-        else:
+        elif objective == "kl":
             loss = jnp.sum(jnp.exp(teacher) * (teacher - log_q), axis=-1)
+        else:
+            loss = 1.0 - jnp.sum(jnp.minimum(jnp.exp(teacher), jnp.exp(log_q)), axis=-1)
         valid = in_text & (slots >= step)[None, :]  # the chain must have started at slot s - step >= 0
         count = jnp.sum(valid)
         losses.append(jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(count, 1))
@@ -105,7 +109,7 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     num_steps: int = 3  # K recursive MTP steps in the objective
-    objective: str = "ce"  # "ce" on the next-next token, or "kl" to the trunk's distribution (module docstring)
+    objective: str = "ce"  # "ce" on the next-next token, "kl" or "tv" to the trunk's distribution (module docstring)
     beta: float = 0.6
     train_steps: int = 1000
     batch_size: int = 16

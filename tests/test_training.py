@@ -92,11 +92,12 @@ def test_targets_are_two_tokens_ahead_and_counts_by_hand():
     assert all(a not in (b, c) for a, b, c in zip(sequence[2:], sequence[1:], sequence[3:], strict=False))
 
 
-def test_kl_objective_matches_the_trunk_distribution_one_slot_ahead():
-    """The "kl" loss of step k averages, over the slots it counts, KL(p_{s+1} || q_s): p the trunk's next-token
-    distribution at slot s+1 (the one that chose x[s+2]) over the draft vocabulary, q the draft at slot s. Checked
-    slot by slot in numpy on a random model with a draft-vocabulary subset; a teacher taken at slot s or s+2, or a
-    target outside the subset dropped, would change the numbers."""
+@pytest.mark.parametrize("objective", ["kl", "tv"])
+def test_distribution_objectives_match_the_trunk_one_slot_ahead(objective):
+    """The "kl" loss of step k averages, over the slots it counts, KL(p_{s+1} || q_s), the "tv" loss
+    1 - sum min(p_{s+1}, q_s): p the trunk's next-token distribution at slot s+1 (the one that chose x[s+2]) over the
+    draft vocabulary, q the draft at slot s. Checked slot by slot in numpy on a random model with a draft-vocabulary
+    subset; a teacher taken at slot s or s+2, or a target outside the subset dropped, would change the numbers."""
     cfg = tiny_config("deepseek", eos=())
     cfg = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=cfg.vocab_size // 2))
     model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(3))
@@ -105,13 +106,17 @@ def test_kl_objective_matches_the_trunk_distribution_one_slot_ahead():
     tokens = jnp.asarray([[5, 9, 13, 7, 8, 20, 4, 11, 6, 17], [3, 1, 2, 9, 14, 0, 0, 0, 0, 0]])
     hidden, _ = trunk_hidden_and_argmax(model, tokens)
     batch = Batch(tokens=tokens, hidden=hidden, lengths=jnp.asarray([10, 5]), loss_start=jnp.asarray([2, 0]))
-    losses, _, counts = step_losses(model, batch, 2, jnp.arange(vocab), objective="kl")
+    losses, _, counts = step_losses(model, batch, 2, jnp.arange(vocab), objective=objective)
     trunk = np.asarray(model.logits(hidden))[..., ::2]  # [B, T, Vd]
     log_p = trunk - np.log(np.exp(trunk).sum(-1, keepdims=True))
     for step, logits in enumerate(step_logits(model, tokens, hidden, 2)):
         logits = np.asarray(logits)
         log_q = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        terms = [np.sum(np.exp(log_p[b, s + 1]) * (log_p[b, s + 1] - log_q[b, s]))
+        divergences = {
+            "kl": lambda lp, lq: np.sum(np.exp(lp) * (lp - lq)),
+            "tv": lambda lp, lq: 0.5 * np.sum(np.abs(np.exp(lp) - np.exp(lq))),
+        }
+        terms = [divergences[objective](log_p[b, s + 1], log_q[b, s])
                  for b, (length, start) in enumerate([(10, 2), (5, 0)])
                  for s in range(step, length - 2) if s + 2 >= start]  # fmt: skip
         assert int(counts[step]) == len(terms)
