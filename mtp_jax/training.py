@@ -10,7 +10,7 @@ Three objectives: "ce", cross-entropy on the token x[s+2]; "kl", KL(p || q) from
 distribution p at slot s+1 (over the draft vocabulary, renormalized) to the draft distribution q; "tv", the total
 variation 1 - sum_x min(p(x), q(x)) between the same two. The last two give every position a whole distribution to
 match instead of one token; "tv" is one minus the probability that sampled verification at temperature 1 accepts the
-draft, so it trains for exactly that. docs/benchmarks.md has them compared on one data set.
+draft, so it trains for exactly that. docs/benchmarks.md compares them on the default model.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
     objective "ce": cross-entropy on x[s+2]; target_index [V] maps a token id to its index in the draft vocabulary
     (-1 outside it; those targets are not counted: drafts cannot propose them). "kl": KL(p || q) from the trunk's
     distribution at slot s+1 (the one that picked x[s+2]) to the draft's, at every slot; "tv": their total variation
-    1 - sum min(p, q). Accuracy counts argmax
-    matches of x[s+2] either way.
+    1 - sum min(p, q). Accuracy counts argmax matches of x[s+2] either way.
     """
     tokens, (batch_size, width) = batch.tokens, batch.tokens.shape
     slots = jnp.arange(width)

@@ -109,14 +109,14 @@ def test_distribution_objectives_match_the_trunk_one_slot_ahead(objective):
     losses, _, counts = step_losses(model, batch, 2, jnp.arange(vocab), objective=objective)
     trunk = np.asarray(model.logits(hidden))[..., ::2]  # [B, T, Vd]
     log_p = trunk - np.log(np.exp(trunk).sum(-1, keepdims=True))
+    divergence = {
+        "kl": lambda lp, lq: np.sum(np.exp(lp) * (lp - lq)),
+        "tv": lambda lp, lq: 0.5 * np.sum(np.abs(np.exp(lp) - np.exp(lq))),
+    }[objective]
     for step, logits in enumerate(step_logits(model, tokens, hidden, 2)):
         logits = np.asarray(logits)
         log_q = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        divergences = {
-            "kl": lambda lp, lq: np.sum(np.exp(lp) * (lp - lq)),
-            "tv": lambda lp, lq: 0.5 * np.sum(np.abs(np.exp(lp) - np.exp(lq))),
-        }
-        terms = [divergences[objective](log_p[b, s + 1], log_q[b, s])
+        terms = [divergence(log_p[b, s + 1], log_q[b, s])
                  for b, (length, start) in enumerate([(10, 2), (5, 0)])
                  for s in range(step, length - 2) if s + 2 >= start]  # fmt: skip
         assert int(counts[step]) == len(terms)
