@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Tests run tiny models, where XLA's compile time dwarfs run time: compile with most optimizations off (also in the
@@ -9,6 +10,7 @@ import os
 # real default model (`optimized_compiles`). Benchmarks never run this way.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+import jax
 import pytest
 
 from mtp_jax.errors import UserError
@@ -36,10 +38,6 @@ def release_compiled_programs():
     the next JIT link failed ("Failed to materialize symbols") and the error's C++ throw segfaulted in libgcc's
     unwinder. Programs are still shared within a module."""
     yield
-    import gc
-
-    import jax
-
     jax.clear_caches()
     gc.collect()
 
