@@ -117,6 +117,8 @@ class _Round:
         self.k, self.max_k, self.rest, self.plain = num_draft, cfg.num_draft, rest, plain
         self.skips_mtp = rest or plain
         self.width = mtp_block_width(cfg)
+        # Taken where the round is built, outside the decode loop: the draft vocabulary's gather runs once per call.
+        self.draft_head = model.draft_head() if cfg.num_draft > 0 and not self.skips_mtp else None
 
     def choose(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """Pick ids [B, ...] from float32 logits [B, ..., V]; also return the distribution when sampling."""
@@ -156,7 +158,7 @@ class _Round:
         drafts, dists = [], []
         for i in range(max(self.k, 1)):
             keys = _row_keys(s.row_keys, s.stats.rounds, 10 + i)
-            index, probs = self.choose(model.draft_logits(normed), keys)
+            index, probs = self.choose(model.draft_logits(normed, self.draft_head), keys)
             token = model.draft_ids(index)
             drafts.append(token)
             if probs is not None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -88,3 +91,27 @@ def test_accepted_drafts_clipped_at_budget(layout):
     _check_stats(out.stats, 3)
     # The verify passes produced more tokens than were kept: some round's accepted drafts overran the budget.
     assert out.stats.emitted > (out.lengths - 1).sum()
+
+
+@pytest.mark.parametrize("head", ["tied", "lm_head", "own"])
+def test_draft_logits_over_a_vocabulary_subset_are_the_heads_columns(head):
+    """Drafts over a vocabulary subset score each subset id as the full head would, whether the rows come from the
+    tied embedding, an untied lm_head or the MTP layer's own head, gathered once (`draft_head`) or per call."""
+    cfg = tiny_config()
+    cfg = cfg.replace(
+        tie_word_embeddings=head == "tied",
+        mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=5, own_head=head == "own"),
+    )
+    model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(3))
+    ids = np.array([20, 3, 7, 0, 11], np.int32)
+    model.draft_vocab[...] = jnp.asarray(ids)
+    hidden = np.asarray(jax.random.normal(jax.random.key(4), (2, 3, cfg.hidden_size)))  # [B, T, D]
+    if head == "own":
+        weights = np.asarray(model.mtp.head[...])  # [D, V]
+    elif head == "tied":
+        weights = np.asarray(model.embed[...]).T
+    else:
+        weights = np.asarray(model.lm_head[...])
+    want = np.einsum("btd,dv->btv", hidden, weights)[..., ids]  # [B, T, Vd]
+    np.testing.assert_allclose(model.draft_logits(hidden), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.draft_logits(hidden, model.draft_head()), want, rtol=1e-5, atol=1e-5)

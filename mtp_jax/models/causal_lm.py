@@ -199,15 +199,27 @@ class CausalLM(nnx.Module):
         logits = jnp.einsum("...D,DV->...V", hidden, self.head_weights(), preferred_element_type=jnp.float32)
         return constrain(logits, LOGITS)
 
-    def draft_logits(self, hidden: jax.Array) -> jax.Array:
-        """Float32 MTP logits [..., Vd] over the draft vocabulary (all V ids when it has no subset)."""
-        own_head = self.mtp is not None and self.mtp.head is not None
-        if self.draft_vocab is None and not own_head:
-            return self.logits(hidden)
-        weights = self.mtp.head[...] if own_head else self.head_weights()  # [D, V]
-        if self.draft_vocab is not None:
-            weights = jnp.take(weights, self.draft_vocab[...], axis=1)  # [D, Vd]
-        return jnp.einsum("...D,DV->...V", hidden, weights, preferred_element_type=jnp.float32)
+    def draft_head(self) -> jax.Array | None:
+        """Rows [Vd, D] of the draft vocabulary's output weights (the MTP layer's own head, else the lm_head), for a
+        decode loop to gather once rather than every draft step; None when drafts use the full vocabulary."""
+        if self.draft_vocab is None:
+            return None
+        ids = self.draft_vocab[...]
+        if self.mtp.head is not None:
+            return jnp.take(self.mtp.head[...], ids, axis=1).T
+        if self.lm_head is None:
+            return jnp.take(self.embed[...], ids, axis=0)  # tied: the embedding's rows
+        return jnp.take(self.lm_head[...], ids, axis=1).T
+
+    def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
+        """Float32 MTP logits [..., Vd] over the draft vocabulary (all V ids when it has no subset). `head`: the
+        rows [Vd, D] `draft_head()` gave, gathered once by the caller; without it they are gathered here."""
+        head = self.draft_head() if head is None else head
+        if head is not None:
+            return jnp.einsum("...D,VD->...V", hidden, head, preferred_element_type=jnp.float32)
+        if self.mtp is not None and self.mtp.head is not None:
+            return jnp.einsum("...D,DV->...V", hidden, self.mtp.head[...], preferred_element_type=jnp.float32)
+        return self.logits(hidden)
 
     def draft_ids(self, draft_index: jax.Array) -> jax.Array:
         """Token ids for indices into the draft vocabulary."""
