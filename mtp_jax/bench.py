@@ -128,22 +128,30 @@ def read_prompts(args, model, tokenizer):
 
 class OursRun:
     """One configuration of ours, compiled ahead of time (timed apart); each call runs it once and returns the wall
-    seconds; `result` gives the row fields from the fastest of the given walls and the generated tokens."""
+    seconds, and times the prefill alone (same shapes) before it; `result` gives the row fields from the fastest of
+    the given walls and the generated tokens."""
 
     def __init__(self, model, ids, lens, cfg):
         import jax
+        from flax import nnx
 
+        from mtp_jax.round_timing import prefill_program
         from mtp_jax.speculative import compile_generate
 
         self.model, self.ids, self.lens, self.cfg, self.key = model, ids, lens, cfg, jax.random.key(0)
         start = time.perf_counter()
         self.compiled = compile_generate(model, ids, lens, self.key, cfg)
         self.compile_seconds = time.perf_counter() - start
+        self.prefill = prefill_program(nnx.split(model), ids, lens, cfg)
+        self.prefill_walls: list[float] = []
         self.out = None
 
     def __call__(self) -> float:
         import jax
 
+        start = time.perf_counter()
+        jax.block_until_ready(self.prefill())
+        self.prefill_walls.append(time.perf_counter() - start)
         start = time.perf_counter()
         self.out = jax.block_until_ready(self.compiled(self.model, self.ids, self.lens, self.key, self.cfg))
         return time.perf_counter() - start
@@ -156,10 +164,16 @@ class OursRun:
         summary = summarize(add(None, out.stats), num_draft=self.cfg.num_draft, wall=wall, generated_tokens=tokens,
                             compile_seconds=self.compile_seconds)  # fmt: skip
         del summary["device"], summary["num_draft"]
-        rounds = summary["rounds"]
-        fields = {**summary, "walls": walls, "ms_per_round": 1000 * wall / rounds if rounds else None,
-                  "memory_mb": None if memory is None else memory / 2**20}  # fmt: skip
-        return fields, np.asarray(out.tokens)
+        return {**summary, "walls": walls, **per_round(wall, min(self.prefill_walls), summary["rounds"]),
+                "memory_mb": None if memory is None else memory / 2**20}, np.asarray(out.tokens)  # fmt: skip
+
+
+def per_round(wall: float, prefill: float, rounds: int) -> dict:
+    """The prefill's ms and the decode loop's ms per round: the wall without the prefill, over the rounds (the
+    fastest prefill and the fastest whole run, each of its own sweeps); None where the difference is lost in the
+    timing noise (tiny models) or there are no rounds."""
+    loop = wall - prefill
+    return {"prefill_ms": 1000 * prefill, "ms_per_round": 1000 * loop / rounds if rounds and loop > 0 else None}
 
 
 def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
@@ -207,7 +221,7 @@ class PeerRun:
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else greedy
         self.kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
                            **sampling)  # fmt: skip
-        self.cache = "static"
+        self.cache, self.prefill_walls = "static", []
         try:
             self()  # warm-up, not timed
         except Exception as e:  # this platform or version cannot run the static cache
@@ -215,12 +229,16 @@ class PeerRun:
             print(f"note: static cache failed for transformers ({why}); using dynamic", file=sys.stderr)
             self.cache = "dynamic"
             self()
+        self.prefill_walls = []  # the warm-up's is not a measurement
 
     def __call__(self) -> float:
         import torch
 
-        start = time.perf_counter()
         with torch.no_grad():
+            start = time.perf_counter()
+            self.model.generate(self.ids, cache_implementation=self.cache, **{**self.kwargs, "max_new_tokens": 1})
+            self.prefill_walls.append(time.perf_counter() - start)
+            start = time.perf_counter()
             self.out = self.model.generate(self.ids, cache_implementation=self.cache, **self.kwargs)
         return time.perf_counter() - start
 
@@ -229,7 +247,7 @@ class PeerRun:
         fields = {"cache": self.cache, "rounds": steps, "generated_tokens": int(new.size), "mean_accepted_length": 1.0,
                   "acceptance_rate": 0.0, "acceptance_per_position": [], "tokens_per_second": new.size / wall,
                   "wall_seconds": wall, "compile_seconds": None, "walls": walls,
-                  "ms_per_round": 1000 * wall / steps if steps else None}  # fmt: skip
+                  **per_round(wall, min(self.prefill_walls), steps)}  # fmt: skip
         return fields, new
 
 
@@ -317,7 +335,7 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
         fields, tokens = run.result(walls)
         row.update(fields)
         if "bytes_per_step" in row:
-            row["roofline_fraction"] = row["bytes_per_step"] / (row["ms_per_round"] / 1000) / bandwidth
+            row["roofline_fraction"] = row["bytes_per_step"] / (row["round_ms"] / 1000) / bandwidth
         results.append((row, tokens))
     return results
 
@@ -383,13 +401,13 @@ def markdown(result: dict) -> str:
     ]
     if meta.get("copy_bandwidth_gb_s"):
         lines.append(f"- measured copy bandwidth: {meta['copy_bandwidth_gb_s']:.1f} GB/s (roofline = bytes a plain "
-                     "step reads / ms per round, over it)")  # fmt: skip
+                     "step reads / its time, timed as a loop of plain rounds, over it)")  # fmt: skip
     lines += [
         "",
-        "| impl | batch | k | tokens/s | ms/round | draft ms | verify ms | verify/plain | draft step/plain "
-        "| mean accepted len | accept/pos | speedup vs plain | ours/transformers | same tokens | roofline "
-        "| memory MB | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| impl | batch | k | tokens/s | prefill ms | ms/round | draft ms | verify ms | verify/plain "
+        "| draft step/plain | mean accepted len | accept/pos | speedup vs plain | ours/transformers | same tokens "
+        "| roofline | memory MB | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     number = lambda value, form: "-" if value is None else format(value, form)
     for r in result["rows"]:
@@ -400,7 +418,8 @@ def markdown(result: dict) -> str:
             used = "/".join(str(n) for n in r["rounds_by_num_draft"])
             per_pos += f"; rounds with 0..{r['k']} drafts: {used} ({r['rest_rounds']} of the 0 rests)"
         lines.append(
-            f"| {impl} | {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | {number(r['ms_per_round'], '.1f')} "
+            f"| {impl} | {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | {number(r['prefill_ms'], '.1f')} "
+            f"| {number(r['ms_per_round'], '.1f')} "
             f"| {number(r.get('draft_ms'), '.2f')} | {number(r.get('verify_ms'), '.2f')} "
             f"| {number(r.get('verify_over_plain'), '.2f')} | {number(r.get('draft_step_over_plain'), '.2f')} "
             f"| {r['mean_accepted_length']:.2f} | {per_pos} | {r['speedup_vs_plain']:.2f}x "

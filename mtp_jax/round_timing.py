@@ -31,6 +31,16 @@ def _prefilled_state(graphdef, params, prompt_ids, prompt_lens, cfg: DecodeConfi
     return _prefill(model, cfg, None, eos, prompt_ids, prompt_lens, row_keys, slots)
 
 
+def prefill_program(split_model, prompt_ids, prompt_lens, cfg: DecodeConfig):
+    """A call running the decode loop's prefill alone, with its shapes (cache slots for `cfg`), compiled and warmed
+    up; greedy (sampling the first token instead costs the same to within one row of draws)."""
+    graphdef, params = split_model
+    ids, lens = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32)
+    run = functools.partial(_prefilled_state, graphdef, params, ids, lens, cfg, cache_slots(ids.shape[1], cfg))
+    jax.block_until_ready(run())
+    return run
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "part", "num_draft", "iterations"))
 def _repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
     model = nnx.merge(graphdef, params)
