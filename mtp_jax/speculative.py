@@ -42,6 +42,7 @@ from mtp_jax.adaptive import (
 )
 from mtp_jax.cache import KVCache
 from mtp_jax.config import DecodeConfig
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
 from mtp_jax.sharding import activate, constrain
@@ -410,9 +411,12 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
 
 
 def cache_slots(prompt_width: int, cfg: DecodeConfig) -> int:
-    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16."""
+    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16; past one
+    attention chunk, to whole chunks, so that attention reads only the chunks holding visible slots
+    (mtp_jax.models.cache_attention)."""
     needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
-    return -(-needed // 16) * 16
+    multiple = ATTENTION_CHUNK if needed > ATTENTION_CHUNK else 16
+    return -(-needed // multiple) * multiple
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"))

@@ -18,6 +18,7 @@ from flax import nnx
 
 from mtp_jax.cache import GroupCache, attention_cache, write_slots
 from mtp_jax.config import LayerKind, ModelConfig, Segment
+from mtp_jax.models.cache_attention import LayerSlots
 from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.hybrid_stack import MLP_BLOCKS, GroupStack
 from mtp_jax.models.layers import Attention, DecoderLayer, _init, model_norm, rope_inverse_frequencies, rope_tables
@@ -58,11 +59,12 @@ class LayerStack(nnx.Module):
         past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
 
         def run(x, layer_inputs):
-            layer_params, *layer_past = layer_inputs
+            layer_params, layer = layer_inputs
+            layer_past = [LayerSlots(entries, layer) for entries in past]  # read in place, not copied per layer
             x, *new = nnx.merge(graphdef, layer_params)(x, positions, rope, *layer_past, visible_from=visible_from)
             return x, tuple(new)
 
-        x, new = jax.lax.scan(run, x, (stacked, *past))  # each new entry: [L, B, T, ...]
+        x, new = jax.lax.scan(run, x, (stacked, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
         # One scatter per cache array after the stack: slot (row, position) of every layer gets this block's entry.
         updated = [write_slots(old, entry, positions) for old, entry in zip(past, new, strict=True)]
         return x, jax.tree.unflatten(jax.tree.structure(cache), updated).constrained()

@@ -19,31 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.models.cache_attention import grouped_attention
 from mtp_jax.models.layers import _init, apply_rope
-from mtp_jax.models.mla import past_and_block_probs
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
-
-
-def grouped_attention(
-    q: jax.Array,  # [B, T, N, H] queries, already scaled
-    k: jax.Array,  # [B, T, K, H] this block's keys
-    v: jax.Array,  # [B, T, K, H] this block's values
-    positions: jax.Array,  # [B, T] absolute positions, contiguous per row
-    past_k: jax.Array,  # [B, S, K, H] the cache; slots >= positions[:, 0] are ignored
-    past_v: jax.Array,  # [B, S, K, H]
-    visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-) -> jax.Array:
-    """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
-    block itself (one softmax over both, float32)."""
-    b, t, n, h = q.shape
-    q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
-    f32 = jnp.float32
-    past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k.astype(q.dtype), preferred_element_type=f32)
-    block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
-    past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs.astype(q.dtype), past_v.astype(q.dtype))
-    out = out + jnp.einsum("BKGTU,BUKH->BTKGH", block_probs.astype(q.dtype), v)
-    return out.reshape(b, t, n, h)
 
 
 class GatedAttention(nnx.Module):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig, RopeConfig
+from mtp_jax.models.cache_attention import grouped_attention
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
 from mtp_jax.sharding import HIDDEN, constrain
 
@@ -103,21 +104,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool =
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def visible_slots(slots: int, positions: jax.Array, visible_from: jax.Array | None) -> jax.Array:
-    """[B, S] bool: the cache slots a block at `positions` [B, T] attends to: those before it (later ones are stale:
-    rollback is by length), and none before `visible_from` [B] when given (an MTP cache that skipped positions)."""
-    visible = jnp.arange(slots)[None, :] < positions[:, :1]
-    if visible_from is not None:
-        visible &= jnp.arange(slots)[None, :] >= visible_from[:, None]
-    return visible
-
-
 class Attention(nnx.Module):
     """Grouped-query attention with optional qkv/o bias and per-head q/k RMSNorm, over a fixed-shape cache."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.num_kv_heads = k
         self.q_proj = nnx.Param(_init(rngs, (d, n, h), dtype, d))  # DNH
         self.k_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
         self.v_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
@@ -153,20 +144,8 @@ class Attention(nnx.Module):
 
         # Attend to the cache before this block (rollback is by length: later slots are stale) and, causally,
         # to the block itself; one softmax over both.
-        b, t, n, h = q.shape
-        q = q.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h) * self.scale  # [B, T, K, G, H]
-        f32 = jnp.float32
-        past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k.astype(q.dtype), preferred_element_type=f32)
-        past_visible = visible_slots(past_k.shape[1], positions, visible_from)  # [B, S]
-        past_scores = jnp.where(past_visible[:, None, None, None, :], past_scores, -jnp.inf)
-        block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
-        causal = jnp.tril(jnp.ones((t, t), bool))  # [T, U]
-        block_scores = jnp.where(causal, block_scores, -jnp.inf)
-        probs = jax.nn.softmax(jnp.concatenate([past_scores, block_scores], axis=-1), axis=-1).astype(q.dtype)
-        past_probs, block_probs = probs[..., : past_k.shape[1]], probs[..., past_k.shape[1] :]
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs, past_v.astype(q.dtype))
-        out = out + jnp.einsum("BKGTU,BUKH->BTKGH", block_probs, v)
-        out = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), self.o_proj[...])
+        out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from)  # [B, T, N, H]
+        out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
         if self.o_bias is not None:
             out = out + self.o_bias[...]
         return out, k, v

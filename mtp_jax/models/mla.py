@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig, RopeConfig
-from mtp_jax.models.layers import RMSNorm, _init, apply_rope, visible_slots
+from mtp_jax.models.cache_attention import LayerSlots, past_and_block_probs, read_slots
+from mtp_jax.models.layers import RMSNorm, _init, apply_rope
 
 
 def yarn_softmax_mscale(rope: RopeConfig) -> float:
@@ -30,23 +31,6 @@ def yarn_softmax_mscale(rope: RopeConfig) -> float:
     if rope.kind != "yarn" or not rope.mscale_all_dim or rope.factor <= 1:
         return 1.0
     return 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
-
-
-def past_and_block_probs(
-    past_scores: jax.Array,  # [..., T, S] float32 scores against the cache
-    block_scores: jax.Array,  # [..., T, U] float32 scores within the new block
-    positions: jax.Array,  # [B, T]; the leading axis of the scores is B
-    visible_from: jax.Array | None = None,  # [B]
-) -> tuple[jax.Array, jax.Array]:
-    """One softmax over the visible cache slots (`visible_slots`) and, causally, the block itself; returns the two
-    parts of the probabilities."""
-    slots, t = past_scores.shape[-1], block_scores.shape[-1]
-    visible = visible_slots(slots, positions, visible_from)  # [B, S]
-    visible = visible.reshape(visible.shape[:1] + (1,) * (past_scores.ndim - 2) + visible.shape[1:])
-    past_scores = jnp.where(visible, past_scores, -jnp.inf)
-    block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
-    probs = jax.nn.softmax(jnp.concatenate([past_scores, block_scores], axis=-1), axis=-1)
-    return probs[..., :slots], probs[..., slots:]
 
 
 class MultiHeadLatentAttention(nnx.Module):
@@ -97,7 +81,7 @@ class MultiHeadLatentAttention(nnx.Module):
         x: jax.Array,  # [B, T, D]
         positions: jax.Array,  # [B, T] absolute positions, contiguous per row
         rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, P]
-        past: jax.Array,  # [B, S, C] this layer's latent cache; slots >= positions[:, 0] are ignored
+        past: jax.Array | LayerSlots,  # [B, S, C] this layer's latent cache; slots >= positions[:, 0] are ignored
         absorb: bool | None = None,
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
     ) -> tuple[jax.Array, jax.Array]:
@@ -109,7 +93,8 @@ class MultiHeadLatentAttention(nnx.Module):
         if absorb is None:
             absorb = self.absorbs(x.shape[1])
         attend = self._absorbed if absorb else self._expanded
-        out = attend(q_nope * self.scale, q_rope * self.scale, past.astype(x.dtype), block, positions, visible_from)
+        past = read_slots(past).astype(x.dtype)
+        out = attend(q_nope * self.scale, q_rope * self.scale, past, block, positions, visible_from)
         return jnp.einsum("BTNW,NWD->BTD", out, self.o_proj[...]), block
 
     def _expanded(self, q_nope, q_rope, past, block, positions, visible_from):
