@@ -16,6 +16,7 @@ import mtp_jax
 from checkpoints_convert.convert import abstract_params, plan_conversion
 from checkpoints_convert.hf_config import model_config_from_hf
 from checkpoints_convert.source import open_source
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK
 from tests.hybrid_models import FAMILIES, TEXT, save_with_mtp_layer
 
 NEW_TOKENS = 24
@@ -70,6 +71,21 @@ def test_full_logits(pair):
     lengths = jnp.full((2,), ids.shape[1])
     hidden, _ = model.trunk(jnp.asarray(ids), positions, model.new_cache(2, 16), lengths=lengths)
     np.testing.assert_allclose(np.asarray(model.logits(hidden)), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_logits_after_a_long_cache(pair):
+    """A prefill of 290 tokens into a cache of two attention chunks, then a block of 6: the gated attention layers
+    read the cache chunk by chunk, in place; against transformers' logits over the whole sequence."""
+    _, hf, model, _, _ = pair
+    prefix, block, slots = 290, 6, 2 * ATTENTION_CHUNK
+    ids = _tokens(2, (2, prefix + block))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.from_numpy(ids).long()).logits.numpy()[:, prefix:]
+    cache = model.new_cache(2, slots)
+    positions = jnp.broadcast_to(jnp.arange(prefix + block), ids.shape)
+    _, cache = model.trunk(jnp.asarray(ids[:, :prefix]), positions[:, :prefix], cache, lengths=jnp.full((2,), prefix))
+    hidden, _ = model.trunk(jnp.asarray(ids[:, prefix:]), positions[:, prefix:], cache, lengths=jnp.full((2,), block))
+    np.testing.assert_allclose(np.asarray(model.logits(hidden)), ref, atol=5e-4, rtol=5e-4)
 
 
 def test_greedy_tokens(pair):

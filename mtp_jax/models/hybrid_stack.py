@@ -11,10 +11,12 @@ Attention layers write their keys and values at their positions as in models/cau
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
 from mtp_jax.config import LayerKind, ModelConfig
+from mtp_jax.models.cache_attention import LayerSlots
 from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
 from mtp_jax.models.layers import DecoderLayer, SwiGLU, model_norm
@@ -95,22 +97,27 @@ class GroupStack(nnx.Module):
         split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
         graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
         past = cache.constrained().members
+        # DeltaNet states are scanned over (each repeat reads its whole state); attention caches are read in place.
+        deltanet = [kind.attention == "deltanet" for kind in self.kinds]
+        states = tuple(entry if is_deltanet else None for is_deltanet, entry in zip(deltanet, past, strict=True))
 
         def run(x, repeat_inputs):
-            params, entries = repeat_inputs
+            params, repeat_states, repeat = repeat_inputs
             new = []
             for j, kind in enumerate(self.kinds):
                 layer = nnx.merge(graphdefs[j], params[j])
                 with jax.named_scope(f"layer_{j}"):
                     if kind.attention == "deltanet":
-                        x, state = layer(x, entries[j], lengths, every_state)
+                        x, state = layer(x, repeat_states[j], lengths, every_state)
                         new.append(state)
                     else:
-                        x, k, v = layer(x, positions, rope, entries[j].k, entries[j].v)
+                        keys, values = LayerSlots(past[j].k, repeat), LayerSlots(past[j].v, repeat)
+                        x, k, v = layer(x, positions, rope, keys, values)
                         new.append((k, v))
             return x, tuple(new)
 
-        x, new = jax.lax.scan(run, x, (stacked, past))  # DeltaNet: states [R, B, ...]; attention: [R, B, T, K, H]
+        scanned = (stacked, states, jnp.arange(self.repeats))
+        x, new = jax.lax.scan(run, x, scanned)  # DeltaNet: states [R, B, ...]; attention: [R, B, T, K, H]
         members = []
         for kind, old, entry in zip(self.kinds, past, new, strict=True):
             if kind.attention == "deltanet":
