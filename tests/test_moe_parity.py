@@ -15,6 +15,7 @@ from flax import nnx
 
 import mtp_jax
 from checkpoints_convert.hf_config import model_config_from_hf
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK
 from mtp_jax.models.moe import MoE
 from tests.moe_models import FAMILIES, MOE_SHAPE, hf_config, random_hf_model
 
@@ -171,6 +172,42 @@ def test_mla_absorbed_equals_expanded_over_a_cache(pair):
     changed = past.at[1, 4:].set(99.0)  # slots at or after row 1's first position are stale: never read
     chex.assert_trees_all_close(layer.attn(x, positions, rope, changed, absorb=True)[0], absorbed, atol=0, rtol=0)
     assert layer.attn.absorbs(1) and not layer.attn.absorbs(4096)
+
+
+def test_logits_after_a_long_cache(pair):
+    """Blocks at positions 290 and 100 over a cache of two attention chunks holding a 290-token prefill (row 1's
+    slots 100..289 stale): the chunked pass of MLA (absorbed for the block, expanded for the prefill) or of GQA,
+    against transformers' logits over each row's whole sequence."""
+    hf, model, _ = pair
+    slots, starts, block = 2 * ATTENTION_CHUNK, (290, 100), 10
+    ids = _tokens(4, (2, max(starts) + block))
+    prefix = max(starts)
+    cache = model.new_cache(2, slots)
+    _, cache = model.trunk(ids[:, :prefix], jnp.broadcast_to(jnp.arange(prefix), (2, prefix)), cache)
+    positions = np.asarray(starts)[:, None] + np.arange(block)  # [2, block]
+    hidden, _ = model.trunk(np.take_along_axis(ids, positions, axis=1), positions, cache)
+    for row, start in enumerate(starts):
+        with torch.no_grad():
+            reference = hf(torch.from_numpy(ids[row : row + 1, : start + block]).long()).logits[0, start:]
+        chex.assert_trees_all_close(model.logits(hidden[row]), _np(reference), atol=1e-4, rtol=1e-4)
+
+
+def test_mla_absorbed_equals_expanded_over_a_chunked_cache(pair):
+    """Both ways of attending, chunk by chunk over a cache of two chunks, agree with each other and with the one-pass
+    path over the same slots (a cache 16 slots shorter: not whole chunks)."""
+    _, model, _ = pair
+    if model.config.mla is None:
+        pytest.skip("GQA family")
+    layer, _ = _layer(model, 1)
+    key_x, key_past = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(key_x, (2, 3, model.config.hidden_size))
+    past = jax.random.normal(key_past, (2, 2 * ATTENTION_CHUNK, model.config.mla.latent_dim))
+    positions = jnp.array([[300, 301, 302], [7, 8, 9]])
+    rope = model.rope(positions)
+    one_pass, _ = layer.attn(x, positions, rope, past[:, :-16], absorb=True)
+    for absorb in (True, False):
+        chunked, _ = layer.attn(x, positions, rope, past, absorb=absorb)
+        chex.assert_trees_all_close(chunked, one_pass, **TOL)
 
 
 def _equations(jaxpr):

@@ -94,8 +94,19 @@ def grouped_attention(
     f32 = jnp.float32
     block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
     if chunk_count(past_k.shape[1]):
-        out = _chunked(q, v, block_scores, positions, past_k, past_v, visible_from)
-        return out.reshape(b, t, n, h)
+
+        def attend_chunk(first):
+            keys = read_slots(past_k, first, ATTENTION_CHUNK).astype(q.dtype)  # [B, C, K, H]
+            values = read_slots(past_v, first, ATTENTION_CHUNK).astype(q.dtype)  # [B, C, K, H]
+            scores = jnp.einsum("BTKGH,BCKH->BKGTC", q, keys, preferred_element_type=f32)
+            return scores, lambda probs: jnp.einsum("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values,
+                                                    preferred_element_type=f32)  # fmt: skip
+
+        def block_output(probs):  # [B, K, G, T, U] -> [B, T, K, G, H]
+            return jnp.einsum("BKGTU,BUKH->BTKGH", probs.astype(q.dtype), v, preferred_element_type=f32)
+
+        out = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, past_k.shape[1])
+        return out.astype(q.dtype).reshape(b, t, n, h)
     past_k, past_v = read_slots(past_k).astype(q.dtype), read_slots(past_v).astype(q.dtype)
     past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k, preferred_element_type=f32)
     past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
@@ -104,41 +115,41 @@ def grouped_attention(
     return out.reshape(b, t, n, h)
 
 
-def _chunked(q, v, block_scores, positions, past_k, past_v, visible_from) -> jax.Array:
-    """The softmax over cache and block as a running maximum m, normaliser (total) and unnormalised output over the
-    cache's chunks (each skipped, by `lax.cond`, when it starts at or past every row's first query position), then
-    the block: q [B, T, K, G, H], block_scores [B, K, G, T, U] -> [B, T, K, G, H] in q's dtype. The chunk loop has a
-    static trip count, so it stays reverse-differentiable."""
-    f32 = jnp.float32
+def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, slots: int) -> jax.Array:
+    """One softmax over the visible slots of a cache of whole chunks and, causally, over the block, as a running
+    maximum m, normaliser (total) and unnormalised float32 output. Chunk by chunk, each skipped by `lax.cond` when it
+    starts at or past every row's first query position, then the block. The loop's trip count is static, so the pass
+    stays reverse-differentiable.
+
+    attend_chunk(first) -> (float32 scores [B, ..., T, C] against slots first .. first + C - 1, and a function of
+    their probabilities giving float32 outputs [B, T, ..., W]); block_scores [B, ..., T, U] (float32);
+    block_output(probs [B, ..., T, U]) -> [B, T, ..., W]. Returns the float32 output [B, T, ..., W]."""
     used = jnp.max(positions[:, 0])  # no row sees a slot at or past it
+    heads = (1,) * (block_scores.ndim - 3)  # the axes between B and T
 
     def chunk(i, carry):
         def attend(carry):
             m, total, acc = carry
             first = i * ATTENTION_CHUNK
-            keys = read_slots(past_k, first, ATTENTION_CHUNK)  # [B, C, K, H]
-            values = read_slots(past_v, first, ATTENTION_CHUNK)  # [B, C, K, H]
-            scores = jnp.einsum("BTKGH,BCKH->BKGTC", q, keys.astype(q.dtype), preferred_element_type=f32)
+            scores, output_of = attend_chunk(first)
             visible = visible_slots(ATTENTION_CHUNK, positions, visible_from, first)  # [B, C]
-            scores = jnp.where(visible[:, None, None, None, :], scores, -jnp.inf)
+            scores = jnp.where(visible.reshape(visible.shape[:1] + heads + (1,) + visible.shape[1:]), scores, -jnp.inf)
             m, rescale, probs = _running_max(m, scores)
-            total = total * rescale + jnp.sum(probs, axis=-1)
-            seen = jnp.einsum("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values.astype(q.dtype),
-                              preferred_element_type=f32)  # fmt: skip
-            return m, total, acc * _per_query(rescale) + seen
+            return m, total * rescale + jnp.sum(probs, axis=-1), acc * _per_query(rescale) + output_of(probs)
 
         return jax.lax.cond(i * ATTENTION_CHUNK < used, attend, lambda carry: carry, carry)
 
-    stats_shape = block_scores.shape[:-1]  # [B, K, G, T]
-    start = (jnp.full(stats_shape, -jnp.inf, f32), jnp.zeros(stats_shape, f32), jnp.zeros(q.shape, f32))
-    m, total, acc = jax.lax.fori_loop(0, chunk_count(past_k.shape[1]), chunk, start)
+    stats_shape = block_scores.shape[:-1]  # [B, ..., T]
+    probe = jax.eval_shape(block_output, jax.ShapeDtypeStruct(block_scores.shape, jnp.float32))
+    f32 = jnp.float32
+    start = (jnp.full(stats_shape, -jnp.inf, f32), jnp.zeros(stats_shape, f32), jnp.zeros(probe.shape, f32))
+    m, total, acc = jax.lax.fori_loop(0, chunk_count(slots), chunk, start)
     t = block_scores.shape[-1]
     block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
     m, rescale, probs = _running_max(m, block_scores)  # each query sees itself: m is finite from here on
     total = total * rescale + jnp.sum(probs, axis=-1)
-    acc = acc * _per_query(rescale) + jnp.einsum("BKGTU,BUKH->BTKGH", probs.astype(q.dtype), v,
-                                                 preferred_element_type=f32)  # fmt: skip
-    return (acc / _per_query(total)).astype(q.dtype)
+    acc = acc * _per_query(rescale) + block_output(probs)
+    return acc / _per_query(total)
 
 
 def _running_max(m: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -150,5 +161,5 @@ def _running_max(m: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax.Array,
 
 
 def _per_query(x: jax.Array) -> jax.Array:
-    """[B, K, G, T] -> [B, T, K, G, 1], to scale outputs laid out [B, T, K, G, H]."""
-    return jnp.transpose(x, (0, 3, 1, 2))[..., None]
+    """[B, ..., T] -> [B, T, ..., 1], to scale outputs laid out [B, T, ..., W]."""
+    return jnp.moveaxis(x, -1, 1)[..., None]

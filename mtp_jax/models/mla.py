@@ -22,7 +22,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig, RopeConfig
-from mtp_jax.models.cache_attention import LayerSlots, past_and_block_probs, read_slots
+from mtp_jax.models.cache_attention import (
+    ATTENTION_CHUNK,
+    LayerSlots,
+    attend_in_chunks,
+    chunk_count,
+    past_and_block_probs,
+    read_slots,
+)
 from mtp_jax.models.layers import RMSNorm, _init, apply_rope
 
 
@@ -93,12 +100,12 @@ class MultiHeadLatentAttention(nnx.Module):
         if absorb is None:
             absorb = self.absorbs(x.shape[1])
         attend = self._absorbed if absorb else self._expanded
-        past = read_slots(past).astype(x.dtype)
-        out = attend(q_nope * self.scale, q_rope * self.scale, past, block, positions, visible_from)
+        out = attend(q_nope * self.scale, q_rope * self.scale, past, block, positions, visible_from, x.dtype)
         return jnp.einsum("BTNW,NWD->BTD", out, self.o_proj[...]), block
 
-    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from):
-        """Per-head keys and values from every latent, then ordinary attention."""
+    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype):
+        """Per-head keys and values from every latent, then ordinary attention (chunk by chunk over a cache of whole
+        chunks, expanding one chunk at a time)."""
         kv_b = self.kv_b_proj[...]
         f32 = jnp.float32
 
@@ -106,27 +113,58 @@ class MultiHeadLatentAttention(nnx.Module):
             kv = jnp.einsum("BSR,RNI->BSNI", latents[..., : self.latent_rank], kv_b)
             return kv[..., : self.nope_dim], kv[..., self.nope_dim :], latents[..., self.latent_rank :]
 
-        past_k, past_v, past_rope = keys_values(past)
-        block_k, block_v, block_rope = keys_values(block)
-        past_scores = jnp.einsum("BTNH,BSNH->BNTS", q_nope, past_k, preferred_element_type=f32)
-        past_scores += jnp.einsum("BTNP,BSP->BNTS", q_rope, past_rope, preferred_element_type=f32)
-        block_scores = jnp.einsum("BTNH,BUNH->BNTU", q_nope, block_k, preferred_element_type=f32)
-        block_scores += jnp.einsum("BTNP,BUP->BNTU", q_rope, block_rope, preferred_element_type=f32)
+        def scores_and_values(latents):  # [B, S, C] -> float32 scores [B, N, T, S], values [B, S, N, W]
+            keys, values, rope_keys = keys_values(latents.astype(dtype))
+            scores = jnp.einsum("BTNH,BSNH->BNTS", q_nope, keys, preferred_element_type=f32)
+            return scores + jnp.einsum("BTNP,BSP->BNTS", q_rope, rope_keys, preferred_element_type=f32), values
+
+        def output(probs, values):  # [B, N, T, S], [B, S, N, W] -> [B, T, N, W]
+            return jnp.einsum("BNTS,BSNW->BTNW", probs.astype(values.dtype), values, preferred_element_type=f32)
+
+        block_scores, block_v = scores_and_values(block)
+        if chunk_count(past.shape[1]):
+
+            def attend_chunk(first):
+                scores, values = scores_and_values(read_slots(past, first, ATTENTION_CHUNK))
+                return scores, lambda probs: output(probs, values)
+
+            out = attend_in_chunks(attend_chunk, block_scores, lambda probs: output(probs, block_v), positions,
+                                   visible_from, past.shape[1])  # fmt: skip
+            return out.astype(dtype)
+        past_scores, past_v = scores_and_values(read_slots(past))
         past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
         out = jnp.einsum("BNTS,BSNW->BTNW", past_probs.astype(past_v.dtype), past_v)
         return out + jnp.einsum("BNTU,BUNW->BTNW", block_probs.astype(block_v.dtype), block_v)
 
-    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from):
-        """Queries moved into latent space (q_nope . W_uk), attention over latents, W_uv applied to the result."""
+    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from, dtype):
+        """Queries moved into latent space (q_nope . W_uk), attention over latents (chunk by chunk over a cache of
+        whole chunks), W_uv applied to the result."""
         kv_b = self.kv_b_proj[...]
         w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
         f32 = jnp.float32
+        r = self.latent_rank
         q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, w_uk)
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, C]: matches a cached row [latent, rope]
-        past_scores = jnp.einsum("BTNC,BSC->BNTS", query, past, preferred_element_type=f32)
         block_scores = jnp.einsum("BTNC,BUC->BNTU", query, block, preferred_element_type=f32)
+        if chunk_count(past.shape[1]):
+
+            def attend_chunk(first):
+                latents = read_slots(past, first, ATTENTION_CHUNK).astype(dtype)  # [B, C, C']
+                scores = jnp.einsum("BTNC,BSC->BNTS", query, latents, preferred_element_type=f32)
+                return scores, lambda probs: jnp.einsum("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r],
+                                                        preferred_element_type=f32)  # fmt: skip
+
+            def block_output(probs):  # [B, N, T, U] -> [B, T, N, R]
+                return jnp.einsum(
+                    "BNTU,BUR->BTNR", probs.astype(block.dtype), block[..., :r], preferred_element_type=f32
+                )
+
+            out_latent = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from,
+                                          past.shape[1]).astype(dtype)  # fmt: skip
+            return jnp.einsum("BTNR,RNW->BTNW", out_latent, w_uv)
+        past = read_slots(past).astype(dtype)
+        past_scores = jnp.einsum("BTNC,BSC->BNTS", query, past, preferred_element_type=f32)
         past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
-        r = self.latent_rank
         out_latent = jnp.einsum("BNTS,BSR->BTNR", past_probs.astype(past.dtype), past[..., :r])
         out_latent += jnp.einsum("BNTU,BUR->BTNR", block_probs.astype(block.dtype), block[..., :r])
         return jnp.einsum("BTNR,RNW->BTNW", out_latent, w_uv)
