@@ -42,7 +42,7 @@ from mtp_jax.adaptive import (
 )
 from mtp_jax.cache import KVCache
 from mtp_jax.config import DecodeConfig
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
 from mtp_jax.sharding import activate, constrain
@@ -411,12 +411,15 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
 
 
 def cache_slots(prompt_width: int, cfg: DecodeConfig) -> int:
-    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16; past one
-    attention chunk, to whole chunks, so that attention reads only the chunks holding visible slots
-    (mtp_jax.models.cache_attention)."""
+    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16; when prompt and
+    budget pass one attention chunk, to whole chunks, so that attention reads only the chunks holding visible slots
+    (mtp_jax.models.cache_attention). That choice ignores k, so plain and MTP decoding of the same prompts and budget
+    take the same attention path (chunks a row cannot see yet are skipped, so extra ones change nothing)."""
     needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
-    multiple = ATTENTION_CHUNK if needed > ATTENTION_CHUNK else 16
-    return -(-needed // multiple) * multiple
+    if prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK:
+        return -(-needed // ATTENTION_CHUNK) * ATTENTION_CHUNK
+    slots = -(-needed // 16) * 16
+    return slots + 16 if chunk_count(slots) else slots  # a long verify block reached whole chunks: stay one-pass
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"))

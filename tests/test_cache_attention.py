@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax.config import DecodeConfig
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count, grouped_attention
+from mtp_jax.speculative import cache_slots
 
 B, T, N, K, H = 3, 4, 6, 2, 8
 
@@ -77,3 +79,16 @@ def test_chunked_attention_is_differentiable_like_one_pass():
     np.testing.assert_allclose(chunked[1], one_pass[1], atol=2e-5)  # [B, S, K, H]
     assert np.asarray(chunked[1][:, : positions[:, 0].max()]).any()
     assert not np.asarray(chunked[1][:, positions[:, 0].max() :]).any()  # slots nobody sees
+
+
+def test_plain_and_mtp_caches_take_the_same_attention_path():
+    """Whether a decode cache is made of whole chunks depends on prompt and budget, not on the number of drafts k,
+    so plain and MTP decoding attend the same way (greedy MTP == plain rests on it); every cache holds its need."""
+    for prompt in (1, 16, 48, 200, 250, 256, 300):
+        for budget in (1, 6, 7, 64, 200, 250, 1000):
+            plain = cache_slots(prompt, DecodeConfig(num_draft=0, max_new_tokens=budget))
+            for k in (1, 3, 8, 300):
+                slots = cache_slots(prompt, DecodeConfig(num_draft=k, max_new_tokens=budget))
+                assert slots >= prompt + budget + k + 1 and slots % 16 == 0
+                assert bool(chunk_count(slots)) == bool(chunk_count(plain)), (prompt, budget, k)
+            assert bool(chunk_count(plain)) == (prompt + budget + 1 > ATTENTION_CHUNK)
