@@ -17,6 +17,7 @@ import mtp_jax
 from checkpoints_convert.hf_config import model_config_from_hf
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK
 from mtp_jax.models.moe import MoE
+from tests.long_cache import check_logits_after_a_long_cache
 from tests.moe_models import FAMILIES, MOE_SHAPE, hf_config, random_hf_model
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -175,21 +176,10 @@ def test_mla_absorbed_equals_expanded_over_a_cache(pair):
 
 
 def test_logits_after_a_long_cache(pair):
-    """Blocks at positions 290 and 100 over a cache of two attention chunks holding a 290-token prefill (row 1's
-    slots 100..289 stale): the chunked pass of MLA (absorbed for the block, expanded for the prefill) or of GQA,
-    against transformers' logits over each row's whole sequence."""
+    """Blocks over a cache of two attention chunks (tests/long_cache.py): the chunked pass of MLA (absorbed for the
+    blocks, expanded for the prefill) or of GQA."""
     hf, model, _ = pair
-    slots, starts, block = 2 * ATTENTION_CHUNK, (290, 100), 10
-    ids = _tokens(4, (2, max(starts) + block))
-    prefix = max(starts)
-    cache = model.new_cache(2, slots)
-    _, cache = model.trunk(ids[:, :prefix], jnp.broadcast_to(jnp.arange(prefix), (2, prefix)), cache)
-    positions = np.asarray(starts)[:, None] + np.arange(block)  # [2, block]
-    hidden, _ = model.trunk(np.take_along_axis(ids, positions, axis=1), positions, cache)
-    for row, start in enumerate(starts):
-        with torch.no_grad():
-            reference = hf(torch.from_numpy(ids[row : row + 1, : start + block]).long()).logits[0, start:]
-        chex.assert_trees_all_close(model.logits(hidden[row]), _np(reference), atol=1e-4, rtol=1e-4)
+    check_logits_after_a_long_cache(hf, model, _tokens(4, (2, 300)))
 
 
 def test_mla_absorbed_equals_expanded_over_a_chunked_cache(pair):

@@ -17,7 +17,7 @@ import mtp_jax
 from checkpoints_convert.hf_config import model_config_from_hf
 from mtp_jax.cache import KVCache
 from mtp_jax.config import RopeConfig
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count
+from tests.long_cache import check_logits_after_a_long_cache
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 NEW_TOKENS = 24
@@ -172,22 +172,10 @@ def test_full_logits(pair):
 
 
 def test_logits_after_a_long_cache(pair):
-    """A block attending to a cache of whole attention chunks (the chunked pass) past the first chunk: row 0's block
-    starts at 290, row 1's at 100 over a cache whose slots 100..289 hold its stale prefill (hidden by rollback by
-    length); both against transformers' logits over each row's whole sequence."""
+    """Blocks over a cache of two attention chunks (the chunked pass), one past the first chunk, one over stale
+    slots (tests/long_cache.py)."""
     hf, model, _ = pair
-    slots, starts, block = 2 * ATTENTION_CHUNK, (290, 100), 10
-    assert chunk_count(slots) == 2
-    ids = _tokens(4, (2, max(starts) + block))
-    cache = KVCache.zeros(model.config.num_layers, 2, slots, model.config, jnp.float32)
-    prefix = max(starts)
-    _, cache = model.trunk(ids[:, :prefix], jnp.broadcast_to(jnp.arange(prefix), (2, prefix)), cache)
-    positions = np.asarray(starts)[:, None] + np.arange(block)  # [2, block]
-    hidden, _ = model.trunk(np.take_along_axis(ids, positions, axis=1), positions, cache)
-    for row, start in enumerate(starts):
-        with torch.no_grad():
-            reference = hf(torch.from_numpy(ids[row : row + 1, : start + block]).long()).logits[0, start:]
-        chex.assert_trees_all_close(model.logits(hidden[row]), _np(reference), atol=1e-4, rtol=1e-4)
+    check_logits_after_a_long_cache(hf, model, _tokens(4, (2, 300)))
 
 
 def _hf_greedy(hf, prompt: np.ndarray) -> list[int]:
