@@ -155,17 +155,23 @@ def test_greedy_tokens(pair):
         assert np.asarray(batch.tokens[row]).tolist() == reference, f"row {row}"
 
 
-def test_mla_absorbed_equals_expanded_over_a_cache(pair):
-    """With a filled cache and per-row offsets (what decode and verify see), both ways of attending agree."""
+def _mla_inputs(pair, slots: int, positions: jax.Array, seed: int):
+    """(the second layer's block, x [2, T, D], a random latent cache [2, slots, C], rope tables) for an MLA family;
+    GQA families skip."""
     _, model, _ = pair
     if model.config.mla is None:
         pytest.skip("GQA family")
     layer, _ = _layer(model, 1)
-    key_x, key_past = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(key_x, (2, 3, model.config.hidden_size))
-    past = jax.random.normal(key_past, (2, 10, model.config.mla.latent_dim))
+    key_x, key_past = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(key_x, (2, positions.shape[1], model.config.hidden_size))
+    past = jax.random.normal(key_past, (2, slots, model.config.mla.latent_dim))
+    return layer, x, past, model.rope(positions)
+
+
+def test_mla_absorbed_equals_expanded_over_a_cache(pair):
+    """With a filled cache and per-row offsets (what decode and verify see), both ways of attending agree."""
     positions = jnp.array([[6, 7, 8], [2, 3, 4]])
-    rope = model.rope(positions)
+    layer, x, past, rope = _mla_inputs(pair, 10, positions, seed=0)
     absorbed, latents = layer.attn(x, positions, rope, past, absorb=True)
     expanded, same_latents = layer.attn(x, positions, rope, past, absorb=False)
     chex.assert_trees_all_close(absorbed, expanded, **TOL)
@@ -185,15 +191,8 @@ def test_logits_after_a_long_cache(pair):
 def test_mla_absorbed_equals_expanded_over_a_chunked_cache(pair):
     """Both ways of attending, chunk by chunk over a cache of two chunks, agree with each other and with the one-pass
     path over the same slots (a cache 16 slots shorter: not whole chunks)."""
-    _, model, _ = pair
-    if model.config.mla is None:
-        pytest.skip("GQA family")
-    layer, _ = _layer(model, 1)
-    key_x, key_past = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(key_x, (2, 3, model.config.hidden_size))
-    past = jax.random.normal(key_past, (2, 2 * ATTENTION_CHUNK, model.config.mla.latent_dim))
     positions = jnp.array([[300, 301, 302], [7, 8, 9]])
-    rope = model.rope(positions)
+    layer, x, past, rope = _mla_inputs(pair, 2 * ATTENTION_CHUNK, positions, seed=1)
     one_pass, _ = layer.attn(x, positions, rope, past[:, :-16], absorb=True)
     for absorb in (True, False):
         chunked, _ = layer.attn(x, positions, rope, past, absorb=absorb)
