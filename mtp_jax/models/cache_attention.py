@@ -2,9 +2,10 @@
 itself, with one softmax over both.
 
 A cache is sized for the longest sequence a call may reach, so early in a long generation most of it is empty. When
-the cache is a multiple of ATTENTION_CHUNK slots (mtp_jax.speculative.cache_slots sizes long ones so), grouped-query
-attention runs over it chunk by chunk with an online softmax and skips every chunk past the slots any row can see:
-its cost follows the longest row's length, not the cache's size. Shorter caches take one pass over all slots.
+the cache is a whole number (> 1) of ATTENTION_CHUNK slots (mtp_jax.speculative.cache_slots sizes long decodes so),
+attention runs over it chunk by chunk with an online softmax (`attend_in_chunks`: grouped-query attention here, latent
+attention in mla.py) and skips every chunk past the slots any row can see: its cost follows the longest row's length,
+not the cache's size. Other caches take one pass over all slots.
 
 Einsum letters: those of layers.py; C slots of one chunk, U the block's own positions.
 """
