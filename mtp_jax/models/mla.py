@@ -149,7 +149,7 @@ class MultiHeadLatentAttention(nnx.Module):
         if chunk_count(past.shape[1]):
 
             def attend_chunk(first):
-                latents = read_slots(past, first, ATTENTION_CHUNK).astype(dtype)  # [B, C, C']
+                latents = read_slots(past, first, ATTENTION_CHUNK).astype(dtype)  # [B, S, C], S: one chunk's slots
                 scores = jnp.einsum("BTNC,BSC->BNTS", query, latents, preferred_element_type=f32)
                 return scores, lambda probs: jnp.einsum("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r],
                                                         preferred_element_type=f32)  # fmt: skip
