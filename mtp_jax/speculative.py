@@ -113,13 +113,17 @@ class _Round:
     `plain`, one that leaves the MTP state alone (when round costs say drafting can never pay)."""
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array,
-                 num_draft: int, rest: bool = False, plain: bool = False):  # fmt: skip
+                 num_draft: int, rest: bool = False, plain: bool = False,
+                 draft_head: jax.Array | None = None):  # fmt: skip
         self.model, self.cfg, self.sampling, self.eos = model, cfg, sampling, eos
         self.k, self.max_k, self.rest, self.plain = num_draft, cfg.num_draft, rest, plain
         self.skips_mtp = rest or plain
         self.width = mtp_block_width(cfg)
-        # Taken where the round is built, outside the decode loop: the draft vocabulary's gather runs once per call.
-        self.draft_head = model.draft_head() if cfg.num_draft > 0 and not self.skips_mtp else None
+        # Taken where the round is built, outside the decode loop, so the draft vocabulary's gather runs once per call
+        # (an adaptive body's rounds share the one `_round_body` passes).
+        if draft_head is None and cfg.num_draft > 0 and not self.skips_mtp:
+            draft_head = model.draft_head()
+        self.draft_head = draft_head
 
     def choose(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """Pick ids [B, ...] from float32 logits [B, ..., V]; also return the distribution when sampling."""
@@ -321,7 +325,8 @@ def _round_body(model, cfg: DecodeConfig, sampling, eos):
         return _Round(model, cfg, sampling, eos, 0, plain=True)
     width = mtp_block_width(cfg)
     costs = jnp.asarray(costs, jnp.float32)
-    rounds = [_Round(model, cfg, sampling, eos, j) for j in range(cfg.num_draft + 1)]
+    head = model.draft_head()  # [Vd, D] or None, gathered once for every kind of round
+    rounds = [_Round(model, cfg, sampling, eos, j, draft_head=head) for j in range(cfg.num_draft + 1)]
     rounds.append(_Round(model, cfg, sampling, eos, 0, rest=True))  # choice k + 1
 
     def picks(choice: int):
