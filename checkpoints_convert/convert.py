@@ -95,6 +95,8 @@ def candidate_targets(cfg: ModelConfig, names: frozenset[str] = frozenset()) -> 
             yield prefix + suffix, Target(("mtp", *path), (), transform)
         layer_prefix = mtp_layer_prefix(cfg.mtp.layout, cfg.num_layers)
         yield from _layer_targets(cfg, layer_prefix, ("mtp", "block", "layers"), 0, names)
+        for i in range(1, cfg.mtp.block_layers):  # layers stacked by heads trained here
+            yield from _layer_targets(cfg, f"{prefix}block_layers.{i}.", ("mtp", "block", "layers"), i, names)
 
 
 @dataclasses.dataclass

@@ -200,6 +200,8 @@ class MtpConfig:
             stored with the head); 0 means the full vocabulary.
     own_embedding / own_head: the MTP layer has its own embedding / output head (the checkpoint's copies differ
             from the trunk's); by default it shares the trunk's.
+    block_layers: decoder layers stacked in the MTP module (1 in every released checkpoint; a head trained here
+            may stack more, the extra ones saved as `{module}.block_layers.{i}.*`, i >= 1).
     Layout "qwen_next" (Qwen3-Next, Qwen3.5 / 3.6): `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}` and
             `mtp.layers.0.*`, concat [e, h].
     """
@@ -210,6 +212,7 @@ class MtpConfig:
     draft_vocab_size: int = 0
     own_embedding: bool = False
     own_head: bool = False
+    block_layers: int = 1
 
     @property
     def concat_hidden_first(self) -> bool:

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="start from the trunk's last layer, the model's head (or --head), or random")  # fmt: skip
     parser.add_argument("--head", help="with --init existing: the head folder to finetune (default: the model's "
                         "own, or the shipped head of the default model)")  # fmt: skip
+    parser.add_argument("--block-layers", type=int, help="decoder layers in the MTP block (default: the finetuned "
+                        "head's, else 1); with --init existing, layers beyond the head's are added as identities "
+                        "(the trunk's last layers with their residual outputs at zero)")  # fmt: skip
     parser.add_argument("--num-mtp-steps", type=int, default=3, help="K recursive steps in the objective")
     parser.add_argument(
         "--objective", choices=("ce", "kl", "tv"), default="ce",
@@ -56,7 +59,7 @@ def training_model(trunk, args, records):
     """The model to train: the trunk plus a head (the existing one, or new with a DeepSeek-style layout)."""
     from mtp_jax.config import MtpConfig
     from mtp_jax.models.causal_lm import CausalLM
-    from mtp_jax.training import frequent_tokens, init_head_from_trunk
+    from mtp_jax.training import frequent_tokens, grow_head, init_head_from_trunk
 
     if args.init == "existing":
         if not trunk.config.has_mtp:
@@ -64,16 +67,25 @@ def training_model(trunk, args, records):
         base = trunk.config.mtp
     else:
         base = MtpConfig(layout="deepseek")
+    block_layers = args.block_layers or (base.block_layers if args.init == "existing" else 1)
+    if args.init == "existing" and block_layers < base.block_layers:
+        raise UserError(f"--block-layers {block_layers}: the head to finetune has {base.block_layers}; "
+                        "a block can grow, not shrink")  # fmt: skip
+    if block_layers > trunk.config.num_layers:
+        raise UserError(f"--block-layers {block_layers}: the trunk has only {trunk.config.num_layers} layers")
     vocab = trunk.config.vocab_size
     draft_size = min(args.draft_vocab, vocab) if args.draft_vocab else 0
     cfg = trunk.config.replace(mtp=MtpConfig(layout=base.layout, recurse_normed=base.recurse_normed,
-                                             draft_vocab_size=draft_size))  # fmt: skip
+                                             draft_vocab_size=draft_size, block_layers=block_layers))  # fmt: skip
     model = CausalLM(cfg, dtype=trunk.dtype, rngs=nnx.Rngs(args.seed))
     keep = nnx.state(trunk, nnx.PathContains("mtp")) if args.init == "existing" else None
     head_paths = nnx.Any(nnx.PathContains("mtp"), nnx.PathContains("draft_vocab"))  # sized by this head's config
     nnx.update(model, nnx.state(trunk, nnx.Not(head_paths)))
-    if keep is not None:
+    if keep is not None and block_layers == base.block_layers:
         nnx.update(model, keep)
+    elif keep is not None:
+        init_head_from_trunk(model, jax.random.key(args.seed))
+        grow_head(model, keep)
     elif args.init == "trunk-last":
         init_head_from_trunk(model, jax.random.key(args.seed))
     if draft_size:

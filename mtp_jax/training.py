@@ -282,12 +282,34 @@ def frequent_tokens(records: list[dict], vocab_size: int, size: int) -> np.ndarr
 
 
 def init_head_from_trunk(model: CausalLM, key: jax.Array) -> None:
-    """Start the MTP block from the trunk's last layer (of the trunk's last segment: the MTP layer's kind), its final
-    norm from the trunk's, the fusion projection random (std 1/sqrt(2D)), fusion norms at one."""
-    last = jax.tree.map(lambda a: a[-1:], nnx.state(model.segments[-1].layers))
+    """Start the MTP block's L layers from the trunk's last L (of the trunk's last segment: the MTP layer's kind),
+    its final norm from the trunk's, the fusion projection random (std 1/sqrt(2D)), fusion norms at one."""
+    count = model.config.mtp.block_layers
+    last = jax.tree.map(lambda a: a[-count:], nnx.state(model.segments[-1].layers))
     nnx.update(model.mtp.block.layers, last)
     model.mtp.final_norm.scale[...] = jnp.copy(model.final_norm.scale[...])
     d = model.config.hidden_size
     model.mtp.proj[...] = (jax.random.normal(key, (2 * d, d)) / np.sqrt(2 * d)).astype(model.mtp.proj.dtype)
     model.mtp.token_norm.scale[...] = jnp.ones_like(model.mtp.token_norm.scale[...])
     model.mtp.hidden_norm.scale[...] = jnp.ones_like(model.mtp.hidden_norm.scale[...])
+
+
+# A decoder layer with these at zero adds nothing to its residual stream: the identity.
+RESIDUAL_OUTPUTS = ("o_proj", "o_bias", "down_proj", "down_bias", "expert_down")
+
+
+def grow_head(model: CausalLM, head: nnx.State) -> None:
+    """Give `model` (its head just built by `init_head_from_trunk`) the MTP parameters `head` holds, for a block of
+    fewer layers: `head`'s layers come first, and each added one keeps its start from the trunk with its residual
+    outputs at zero, so the grown head drafts exactly as `head` did until training moves them."""
+    current = {path: var for path, var in nnx.to_flat_state(nnx.state(model, nnx.PathContains("mtp")))}
+    updates = []
+    for path, var in nnx.to_flat_state(head):
+        value = var[...]
+        if path[:3] == ("mtp", "block", "layers"):
+            grown = current[path][...]  # [L, ...] against the kept head's [L0, ...]
+            if path[-1] in RESIDUAL_OUTPUTS:
+                grown = jnp.zeros_like(grown)
+            value = grown.at[: value.shape[0]].set(value)
+        updates.append((path, var.replace(value)))
+    nnx.update(model, nnx.from_flat_state(updates))

@@ -93,6 +93,22 @@ def test_accepted_drafts_clipped_at_budget(layout):
     assert out.stats.emitted > (out.lengths - 1).sum()
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_head_of_two_stacked_layers_is_lossless(k):
+    """An MTP block of two decoder layers (`block_layers`, heads trained here): its [2, B, S, K, H] cache through
+    the loop, drafts accepted at every depth, greedy output as plain."""
+    cfg = tiny_config()
+    model = predictable_model(
+        "deepseek", SEEDS["deepseek"], cfg=cfg.replace(mtp=dataclasses.replace(cfg.mtp, block_layers=2))
+    )
+    plain = _decode(model, PROMPTS, PROMPT_LENS, 0)
+    out = _decode(model, PROMPTS, PROMPT_LENS, k)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.lengths, plain.lengths)
+    _check_stats(out.stats, k)
+    assert (out.stats.accepted_at > 0).all(), out.stats.accepted_at
+
+
 @pytest.mark.parametrize("head", ["tied", "lm_head", "own"])
 def test_draft_logits_over_a_vocabulary_subset_are_the_heads_columns(head):
     """Drafts over a vocabulary subset score each subset id as the full head would, whether the rows come from the

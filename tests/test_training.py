@@ -245,7 +245,7 @@ def test_a_new_head_replaces_a_trunk_head_with_another_draft_vocabulary(draft_vo
     cfg = tiny_config()
     trunk = mtp_jax.CausalLM(cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=8)), rngs=nnx.Rngs(0))
     records = self_distilled_data(predictable_model("deepseek", seed=3), count=4, new_tokens=10)
-    args = argparse.Namespace(init="trunk-last", draft_vocab=draft_vocab, seed=0)
+    args = argparse.Namespace(init="trunk-last", draft_vocab=draft_vocab, seed=0, block_layers=None)
     model = training_model(trunk, args, records)
     if draft_vocab:
         np.testing.assert_array_equal(model.draft_vocab[...], frequent_tokens(records, cfg.vocab_size, draft_vocab))
@@ -264,7 +264,44 @@ def test_finetuning_a_head_keeps_its_draft_vocabulary_of_the_same_size(draft_voc
     trunk = mtp_jax.CausalLM(cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=8)), rngs=nnx.Rngs(0))
     trunk.draft_vocab[...] = jnp.arange(8, 16, dtype=trunk.draft_vocab[...].dtype)
     records = self_distilled_data(predictable_model("deepseek", seed=3), count=4, new_tokens=10)
-    model = training_model(trunk, argparse.Namespace(init="existing", draft_vocab=draft_vocab, seed=0), records)
+    args = argparse.Namespace(init="existing", draft_vocab=draft_vocab, seed=0, block_layers=None)
+    model = training_model(trunk, args, records)
     expected = np.arange(8, 16) if draft_vocab == 8 else frequent_tokens(records, cfg.vocab_size, draft_vocab)
     np.testing.assert_array_equal(model.draft_vocab[...], expected)
     assert not np.array_equal(frequent_tokens(records, cfg.vocab_size, 8), np.arange(8, 16))  # the case is telling
+
+
+def test_a_grown_head_drafts_as_the_head_it_grew_from_then_trains_its_added_layer(tmp_path):
+    """--init existing --block-layers 2 on a one-layer head: the added layer starts as an identity (the same logits
+    at every step, exactly), training moves it, and it is saved under `block_layers.1.` and attached again."""
+    from mtp_jax.errors import UserError
+    from mtp_jax.heads import attach_head, save_head
+    from mtp_jax.train_head import training_model
+
+    trunk = predictable_model("deepseek", seed=3)
+    records = self_distilled_data(trunk, count=8, new_tokens=12)
+    grown = training_model(trunk, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=2), records)
+    assert grown.config.mtp.block_layers == 2
+    data = SequenceData(grown, records, width=16)
+    tokens, hidden = jnp.asarray(data.tokens), jnp.asarray(data.hidden)
+    for before, after in zip(step_logits(trunk, tokens, hidden, 3), step_logits(grown, tokens, hidden, 3), strict=True):
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+
+    trainer = Trainer(grown, TrainConfig(num_steps=2, train_steps=3, batch_size=4, objective="tv", learning_rate=1e-2))
+    for step in range(3):
+        trainer.train_step(data.batch(step, 4, 0))
+    added = trainer.model().mtp.block.layers
+    assert np.abs(np.asarray(added.attn.o_proj[...][1])).max() > 0
+    assert np.abs(np.asarray(added.mlp.down_proj[...][1])).max() > 0
+
+    save_head(trainer.model(), str(tmp_path / "head"))
+    names = safetensors.numpy.load_file(str(tmp_path / "head" / "head.safetensors")).keys()
+    assert "model.layers.2.block_layers.1.self_attn.o_proj.weight" in names
+    attached = attach_head(trunk, str(tmp_path / "head"))
+    assert attached.config.mtp.block_layers == 2
+    trained = [np.asarray(x) for x in step_logits(trainer.model(), tokens, hidden, 2)]
+    reloaded = [np.asarray(x) for x in step_logits(attached, tokens, hidden, 2)]
+    for a, b in zip(trained, reloaded, strict=True):
+        np.testing.assert_allclose(b, a, atol=0.05)  # the file holds bfloat16
+    with pytest.raises(UserError, match="grow, not shrink"):
+        training_model(attached, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=1), records)

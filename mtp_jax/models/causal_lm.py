@@ -71,12 +71,12 @@ class LayerStack(nnx.Module):
 
 
 class MtpModule(nnx.Module):
-    """One MTP block: fuse norm(embed(next token)) with norm(trunk hidden), one decoder layer, a final norm.
+    """One MTP block: fuse norm(embed(next token)) with norm(trunk hidden), decoder layer(s), a final norm.
 
     DeepSeek and Qwen3-Next / 3.5 layouts concatenate [e, h]; MiMo's [h, e]. Logits come from the shared lm_head
     after `final_norm`, and tokens are embedded with the trunk's embedding, unless the checkpoint gave the MTP layer
-    its own copies (`embed` [V, D], `head` [D, V]). The block is a layer of the trunk's kind (gated attention in
-    hybrid trunks), with routed experts when the trunk has them.
+    its own copies (`embed` [V, D], `head` [D, V]). The block is `mtp.block_layers` layers (one in released
+    checkpoints) of the trunk's kind (gated attention in hybrid trunks), with routed experts when the trunk has them.
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
@@ -84,7 +84,7 @@ class MtpModule(nnx.Module):
         self.token_norm = model_norm(cfg, d, dtype=dtype)
         self.hidden_norm = model_norm(cfg, d, dtype=dtype)
         self.proj = nnx.Param(_init(rngs, (2 * d, d), dtype, 2 * d))  # [2D, D]
-        self.block = LayerStack(cfg, 1, kind=cfg.mtp_layer_kind, dtype=dtype, rngs=rngs)
+        self.block = LayerStack(cfg, cfg.mtp.block_layers, kind=cfg.mtp_layer_kind, dtype=dtype, rngs=rngs)
         self.final_norm = model_norm(cfg, d, dtype=dtype)
         self.hidden_first = cfg.mtp.concat_hidden_first
         self.embed = nnx.Param(_init(rngs, (v, d), dtype, 1)) if cfg.mtp.own_embedding else None  # VD
@@ -96,7 +96,7 @@ class MtpModule(nnx.Module):
         token_embeds: jax.Array,  # [B, T, D] embedding of the token at p + 1
         positions: jax.Array,  # [B, T]
         rope,
-        cache,  # the MTP layer's cache: KVCache [1, B, S, K, H] or LatentCache [1, B, S, C]
+        cache,  # the MTP block's cache: KVCache [L, B, S, K, H] or LatentCache [L, B, S, C], L block layers
         visible_from: jax.Array | None = None,  # [B]: cache slots before it are not attended to
     ) -> tuple[jax.Array, jax.Array, object]:
         e, h = self.token_norm(token_embeds), self.hidden_norm(hidden)
@@ -148,7 +148,7 @@ class CausalLM(nnx.Module):
         return caches[0] if len(caches) == 1 else caches
 
     def new_mtp_cache(self, batch: int, slots: int):
-        """An empty MTP-layer cache: KVCache [1, B, S, K, H] or LatentCache [1, B, S, C]."""
+        """An empty MTP-block cache: KVCache [L, B, S, K, H] or LatentCache [L, B, S, C], L = `mtp.block_layers`."""
         return self.mtp.block.new_cache(batch, slots, self.dtype)
 
     def rope(self, positions: jax.Array):
