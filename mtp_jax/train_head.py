@@ -139,6 +139,8 @@ def run(args) -> int:
 
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 4 or args.num_mtp_steps < 1:
         raise UserError("--steps, --batch-size, --num-mtp-steps must be >= 1 and --seq-len >= 4")
+    if args.block_layers is not None and args.block_layers < 1:
+        raise UserError("--block-layers must be >= 1")
     if args.head and args.init != "existing":
         raise UserError("--head goes with --init existing")
     trunk, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)

@@ -234,6 +234,8 @@ def test_train_head_cli_trains_resumes_and_writes_a_head_that_decodes(tmp_path, 
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
     assert train_main([str(a) for a in [*argv, "--init", "trunk-last"]]) == 1  # the last --init counts
     assert "--head goes with --init existing" in capsys.readouterr().err
+    assert train_main([str(a) for a in [*argv, "--block-layers", 0]]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--block-layers must be >= 1")
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 12])
