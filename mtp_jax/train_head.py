@@ -71,8 +71,10 @@ def training_model(trunk, args, records):
     if args.init == "existing" and block_layers < base.block_layers:
         raise UserError(f"--block-layers {block_layers}: the head to finetune has {base.block_layers}; "
                         "a block can grow, not shrink")  # fmt: skip
-    if block_layers > trunk.config.num_layers:
-        raise UserError(f"--block-layers {block_layers}: the trunk has only {trunk.config.num_layers} layers")
+    available = trunk.config.segments()[-1].count  # a new block starts from the trunk's last layers of its kind
+    if block_layers > available:
+        raise UserError(f"--block-layers {block_layers}: the trunk's last run of layers of the MTP layer's kind has "
+                        f"{available}")  # fmt: skip
     vocab = trunk.config.vocab_size
     draft_size = min(args.draft_vocab, vocab) if args.draft_vocab else 0
     cfg = trunk.config.replace(mtp=MtpConfig(layout=base.layout, recurse_normed=base.recurse_normed,

@@ -302,7 +302,7 @@ def grow_head(model: CausalLM, head: nnx.State) -> None:
     """Give `model` (its head just built by `init_head_from_trunk`) the MTP parameters `head` holds, for a block of
     fewer layers: `head`'s layers come first, and each added one keeps its start from the trunk with its residual
     outputs at zero, so the grown head drafts exactly as `head` did until training moves them."""
-    current = {path: var for path, var in nnx.to_flat_state(nnx.state(model, nnx.PathContains("mtp")))}
+    current = dict(nnx.to_flat_state(nnx.state(model, nnx.PathContains("mtp"))))
     updates = []
     for path, var in nnx.to_flat_state(head):
         value = var[...]

@@ -307,3 +307,5 @@ def test_a_grown_head_drafts_as_the_head_it_grew_from_then_trains_its_added_laye
         np.testing.assert_allclose(b, a, atol=0.05)  # the file holds bfloat16
     with pytest.raises(UserError, match="grow, not shrink"):
         training_model(attached, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=1), records)
+    with pytest.raises(UserError, match="last run of layers"):  # the tiny trunk has 2 layers to start from
+        training_model(trunk, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=3), records)
