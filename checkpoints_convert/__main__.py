@@ -20,11 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     args = parser.parse_args(argv)
 
-    from checkpoints_convert.convert import config_of, convert_params, write_converted
-    from checkpoints_convert.source import open_source
-
     start = time.perf_counter()
     try:
+        from checkpoints_convert.convert import config_of, convert_params, write_converted
+        from checkpoints_convert.source import open_source
+        from checkpoints_convert.writer import check_destination
+
+        check_destination(args.dst, args.overwrite)
         source = open_source(args.src)
         cfg = config_of(source)
         mtp = f"MTP head ({cfg.mtp.layout} layout)" if cfg.has_mtp else "no MTP head"
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {e.filename or args.src}: {e.strerror or e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing half-written at {args.dst}", file=sys.stderr)
+        return 130
     total = len(plan.targets) + len(plan.ignored)
     ignored = f", {len(plan.ignored)} ignored" + (
         f" ({'; '.join(sorted(set(plan.ignored.values())))})" if plan.ignored else ""

@@ -1,4 +1,4 @@
-"""Checkpoint -> model parameters, with strict accounting, and the atomic writer of converted folders.
+"""Checkpoint -> model parameters, with strict accounting; converted folders written (atomically: writer.py).
 
 Accounting: every checkpoint tensor is used or matched by a named ignore rule; every parameter slot is filled
 exactly once; every tensor's shape is checked against its parameter before it is read.
@@ -10,8 +10,6 @@ import dataclasses
 import itertools
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 
 import jax
@@ -30,6 +28,7 @@ from checkpoints_convert.key_table import (
     MTP_FUSION,
     ROUTED_EXPERT,
     TRUNK_ROOT,
+    WEIGHT_DTYPES,
     Target,
     hybrid_layer_table,
     mtp_layer_prefix,
@@ -37,6 +36,7 @@ from checkpoints_convert.key_table import (
     trunk_prefix,
 )
 from checkpoints_convert.source import CheckpointSource
+from checkpoints_convert.writer import write_folder
 from mtp_jax.checkpoint import CONFIG_FILE
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
@@ -178,12 +178,21 @@ class ParamReader:
                 if not all(s.start <= i < s.stop for i, s in zip(target.index, lead, strict=True)):
                     continue
                 if value is None:
-                    value = target.transform(np.asarray(self.source.read(name)), self.shape[depth:])
+                    value = target.transform(weight(self.source, name), self.shape[depth:])
                 at = tuple(i - s.start for i, s in zip(target.index, lead, strict=True))
                 out[at] = value[block[depth:]].astype(self.dtype)
             if on_tensor is not None:
                 on_tensor(name)
         return outs
+
+
+def weight(source: CheckpointSource, name: str) -> np.ndarray:
+    """Tensor `name` of `source`, refused unless it holds floating-point values (an integer or bool tensor where a
+    weight belongs would be cast silently)."""
+    value = np.asarray(source.read(name))
+    if value.dtype not in WEIGHT_DTYPES:
+        raise ConversionError(f"tensor {name} has dtype {value.dtype}; a weight must be floating-point")
+    return value
 
 
 def param_readers(
@@ -246,36 +255,31 @@ def nest(flat: dict[ParamPath, object]) -> dict:
 
 
 def write_converted(dst: str, cfg: ModelConfig, params: dict, tokenizer, report: dict, overwrite: bool) -> None:
-    """Write config, orbax params and tokenizer into a temp folder beside `dst`, then rename it into place."""
+    """Write config, orbax params and tokenizer into the new folder `dst`, atomically (`writer.write_folder`)."""
     import orbax.checkpoint as ocp
 
-    dst = os.path.abspath(dst)
-    if os.path.exists(dst) and not overwrite:
-        raise ConversionError(f"{dst} already exists (use --overwrite)")
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=parent)
-    try:
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+    def fill(folder: str) -> None:
+        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
             f.write(cfg.to_json())
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(os.path.join(tmp, PARAMS_DIR), nest(params))
+            checkpointer.save(os.path.join(folder, PARAMS_DIR), nest(params))
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, REPORT_FILE), "w") as f:
+            tokenizer.save_pretrained(folder)
+        with open(os.path.join(folder, REPORT_FILE), "w") as f:
             json.dump(report, f, indent=2)
-        if os.path.exists(dst):
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_folder(dst, overwrite, fill)
 
 
 def config_of(source: CheckpointSource) -> ModelConfig:
-    """The model config of a checkpoint: its config.json mapped, then what only the tensors tell (the MTP layer's
-    presence and its embedding / head copies)."""
-    return resolve_mtp_tensors(source, model_config_from_hf(source.hf_config))
+    """The model config of a checkpoint: its config.json mapped (a bad field refused naming the file and the field),
+    then what only the tensors tell (the MTP layer's presence and its embedding / head copies)."""
+    hf = source.hf_config
+    try:
+        cfg = model_config_from_hf(hf)
+    except ConversionError as e:
+        raise ConversionError(f"{source.config_file}: {e}") from None
+    return resolve_mtp_tensors(source, cfg)
 
 
 def _same_tensor(source: CheckpointSource, a: str, b: str, rows_per_chunk: int = 4096) -> bool:

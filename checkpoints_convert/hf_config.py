@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 
 from checkpoints_convert.errors import ConversionError
 from checkpoints_convert.fp8 import block_size
@@ -49,6 +50,62 @@ HANDLED_KEYS = frozenset(
         "num_nextn_predict_layers", "quantization_config",
     }
 )  # fmt: skip
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# What each numeric or boolean field must hold (JSON types, checked before any family reads it; the family modules
+# read these names too). Null passes where a family reads the field as absent (`hf.get(key) or default`).
+FIELD_RULES = (
+    (
+        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+         "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+         "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+         "linear_value_head_dim", "linear_conv_kernel_dim"),
+        "a positive integer",
+        lambda v: _integer(v) and v > 0,
+    ),
+    (
+        ("num_key_value_heads", "head_dim", "n_group", "topk_group", "full_attention_interval", "decoder_sparse_step"),
+        "a positive integer or null",
+        lambda v: v is None or (_integer(v) and v > 0),
+    ),
+    (
+        ("intermediate_size", "qk_nope_head_dim", "q_lora_rank", "n_shared_experts", "first_k_dense_replace",
+         "num_nextn_predict_layers", "mtp_num_hidden_layers", "num_experts", "shared_expert_intermediate_size"),
+        "an integer >= 0 or null",
+        lambda v: v is None or (_integer(v) and v >= 0),
+    ),
+    (("rms_norm_eps", "rope_theta", "routed_scaling_factor"), "a positive number", lambda v: _number(v) and v > 0),
+    (
+        ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_qk_norm", "rope_interleave", "norm_topk_prob",
+         "use_sliding_window"),
+        "true, false or null",
+        lambda v: v is None or isinstance(v, bool),
+    ),
+    (("bos_token_id",), "an integer or null", lambda v: v is None or _integer(v)),
+    (
+        ("eos_token_id",),
+        "an integer, a list of integers or null",
+        lambda v: v is None or _integer(v) or (isinstance(v, list) and all(_integer(i) for i in v)),
+    ),
+)  # fmt: skip
+
+
+def check_field_types(hf: dict, where: str = "") -> None:
+    """Refuse a numeric or boolean field of the wrong type or range, by name (`where`: the prefix of nested fields)."""
+    for names, wanted, valid in FIELD_RULES:
+        for name in names:
+            if name in hf and not valid(hf[name]):
+                raise ConversionError(f"{where}{name} must be {wanted}, got {hf[name]!r}")
+    if isinstance(hf.get("text_config"), dict):
+        check_field_types(hf["text_config"], f"{where}text_config.")
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -152,7 +209,20 @@ def eos_ids_from_hf(value) -> tuple[int, ...]:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The `ModelConfig` of a Hugging Face config dict of a supported family."""
+    """The `ModelConfig` of a Hugging Face config dict of a supported family; a missing or bad field is refused
+    with one line naming it (the caller, which knows the file, puts its path before)."""
+    if not isinstance(hf, dict):
+        raise ConversionError(f"expected a JSON object, got {type(hf).__name__}")
+    check_field_types(hf)
+    try:
+        return _model_config(hf)
+    except KeyError as e:
+        raise ConversionError(f"{e.args[0]} is missing") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConversionError(str(e)) from None
+
+
+def _model_config(hf: dict) -> ModelConfig:
     family = hf.get("model_type")
     if family in REFUSED_MODEL_TYPES:
         raise ConversionError(REFUSED_MODEL_TYPES[family])

@@ -11,6 +11,7 @@ import functools
 import math
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 from checkpoints_convert import qwen_hybrid_layout as hybrid
@@ -85,6 +86,13 @@ class Part:
 
     def __call__(self, w: np.ndarray, target: tuple[int, ...]) -> np.ndarray:
         return self.split(w)[self.part].reshape(target)
+
+
+# Every tensor the tables below map is a floating-point weight, stored in one of these (fp8 ones dequantized on read).
+WEIGHT_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+)
 
 
 @dataclasses.dataclass(frozen=True)

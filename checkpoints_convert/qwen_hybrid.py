@@ -18,18 +18,21 @@ from mtp_jax.config import GatedDeltaNetConfig, ModelConfig, MoeConfig, MtpConfi
 VLM_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # text config under `text_config`, trunk under model.language_model.
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", *VLM_MODEL_TYPES)
 
-# The VLM wrapper's own fields: the vision tower and its special tokens do not change text decoding.
+# The VLM wrapper's own fields: the vision tower and its special tokens do not change text decoding
+# (`language_model_only`: vLLM's switch to skip the vision tower, which the text path never reads anyway).
 VLM_KEYS = frozenset(
     {"text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
-     "vision_end_token_id", "tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"}
+     "vision_end_token_id", "tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
+     "language_model_only"}
 )  # fmt: skip
 
-HYBRID_KEYS = (HANDLED_KEYS - {"num_nextn_predict_layers", "use_sliding_window", "sliding_window"}) | {
+HYBRID_KEYS = (HANDLED_KEYS - {"num_nextn_predict_layers", "sliding_window"}) | {
     "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
     "linear_num_value_heads", "full_attention_interval", "partial_rotary_factor", "mtp_num_hidden_layers",
     "attn_output_gate", "mtp_use_dedicated_embeddings", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mamba_ssm_dtype",  # the dtype vLLM keeps recurrent states in; ours are float32 regardless
+    "output_gate_type",  # "swish": the DeltaNet norm's silu(z) gate (Qwen3.6 configs say it; Qwen3.5 ones omit it)
 }  # fmt: skip
 
 
@@ -90,6 +93,10 @@ def model_config(hf: dict) -> ModelConfig:
         raise ConversionError(f"{family}: attn_output_gate = false is not supported (only gated attention)")
     if text.get("mtp_use_dedicated_embeddings"):
         raise ConversionError(f"{family}: mtp_use_dedicated_embeddings = true is not supported")
+    if text.get("use_sliding_window"):
+        raise ConversionError(f"{family}: sliding-window attention (use_sliding_window: true) is not supported")
+    if text.get("output_gate_type", "swish") != "swish":
+        raise ConversionError(f"{family}: output_gate_type {text['output_gate_type']!r} is not supported (only swish)")
     num_mtp = int(text.get("mtp_num_hidden_layers", 1) or 0)
     if num_mtp > 1:
         raise ConversionError(f"mtp_num_hidden_layers = {num_mtp}: only one MTP module is supported")

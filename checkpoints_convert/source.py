@@ -24,6 +24,11 @@ class CheckpointSource(abc.ABC):
     path: str
 
     @property
+    def config_file(self) -> str:
+        """The file the HF config comes from: a folder's config.json, or a single-file checkpoint itself."""
+        return os.path.join(self.path, CONFIG_JSON) if os.path.isdir(self.path) else self.path
+
+    @property
     @abc.abstractmethod
     def hf_config(self) -> dict: ...
 
@@ -45,6 +50,26 @@ class CheckpointSource(abc.ABC):
         return iter(self.tensor_names())
 
 
+CONFIG_JSON, INDEX_JSON, GENERATION_JSON = "config.json", "model.safetensors.index.json", "generation_config.json"
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in file `path`; a file that cannot be read, or is not UTF-8 JSON of an object, is refused with
+    one line naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as e:
+        raise ConversionError(f"{path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -64,30 +89,27 @@ class SafetensorsFolderSource(CheckpointSource):
 
     def __init__(self, path: str):
         self.path = path
-        config_path = os.path.join(path, "config.json")
+        config_path = os.path.join(path, CONFIG_JSON)
         if not os.path.isfile(config_path):
-            raise ConversionError(f"{path}: no config.json (not a Hugging Face model folder)")
-        try:
-            with open(config_path) as f:
-                self._config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConversionError(f"{config_path}: invalid JSON ({e})") from None
+            raise ConversionError(f"{path}: no {CONFIG_JSON} (not a Hugging Face model folder)")
+        self._config = read_json_object(config_path)
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
-        index_path = os.path.join(path, "model.safetensors.index.json")
+        index_path = os.path.join(path, INDEX_JSON)
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            for name, fname in weight_map.items():
-                self._where[name] = fname
-            for fname in sorted(set(weight_map.values())):
+            weight_map = read_json_object(index_path).get("weight_map")
+            files = list(weight_map.values()) if isinstance(weight_map, dict) else []
+            if not files or not all(isinstance(f, str) for f in files):
+                raise ConversionError(f"{index_path}: weight_map is missing or not a {{tensor name: file name}} object")
+            self._where.update(weight_map)
+            for fname in sorted(set(files)):
+                if not os.path.isfile(os.path.join(path, fname)):
+                    raise ConversionError(f"{index_path}: names {fname}, which does not exist")
                 self._open(fname)
             for fname, st in self._files.items():
                 for name in st.names():
                     if self._where.get(name) != fname:
-                        raise ConversionError(
-                            f"{fname}: tensor {name} is not listed for this file in model.safetensors.index.json"
-                        )
+                        raise ConversionError(f"{fname}: tensor {name} is not listed for this file in {index_path}")
         else:
             shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not shards:
@@ -99,19 +121,15 @@ class SafetensorsFolderSource(CheckpointSource):
                     self._where[name] = fname
 
     def _open(self, fname: str) -> SafetensorsFile:
-        full = os.path.join(self.path, fname)
-        if not os.path.isfile(full):
-            raise ConversionError(f"{full}: listed in model.safetensors.index.json but missing")
-        self._files[fname] = SafetensorsFile(full)
+        self._files[fname] = SafetensorsFile(os.path.join(self.path, fname))
         return self._files[fname]
 
     @property
     def hf_config(self) -> dict:
-        generation_path = os.path.join(self.path, "generation_config.json")
+        generation_path = os.path.join(self.path, GENERATION_JSON)
         config = dict(self._config)
         if "eos_token_id" not in config and os.path.isfile(generation_path):
-            with open(generation_path) as f:
-                config["eos_token_id"] = json.load(f).get("eos_token_id")
+            config["eos_token_id"] = read_json_object(generation_path).get("eos_token_id")
         return config
 
     def tensor_names(self) -> list[str]:

@@ -69,11 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per configuration (default 3)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, help="time transformers' generate too "
                         "(default: on, off for random shapes)")  # fmt: skip
-    on_off = dict(action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--split", **on_off, help="time each round's draft and verify parts, the roofline and the "
-                        "adaptive round costs (default on)")  # fmt: skip
-    parser.add_argument("--adaptive", **on_off, help="add an adaptive-k row with the largest k, its round costs "
-                        "measured (needs --split; default on)")  # fmt: skip
+    parser.add_argument("--split", action=argparse.BooleanOptionalAction, default=True, help="time each round's "
+                        "draft and verify parts, the roofline and the adaptive round costs (default on)")  # fmt: skip
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="add an adaptive-k row with the "
+                        "largest k, its round costs from the split timing (default: on with --split)")  # fmt: skip
     parser.add_argument("--mesh", help="shard ours over every device: data=D,model=M[,expert=E] or auto")
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
@@ -262,6 +261,9 @@ def run(args) -> dict:
         raise UserError("--random-shape takes no --head and has no transformers peer (--peer)")
     if 0 in args.batch_sizes:
         raise UserError("--batch-sizes must be >= 1")
+    if args.adaptive and not args.split:
+        raise UserError("--adaptive needs --split: the adaptive round costs come from the split timing")
+    args.adaptive = args.split if args.adaptive is None else args.adaptive
     notes: list[str] = []
     model, tokenizer, label, peer_path = load_target(args, notes)
     if model.sharding_rules is not None:

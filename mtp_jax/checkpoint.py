@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import types
+import typing
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.source import read_json_object
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.sharding import ShardingRules, place, rules_for
@@ -24,6 +29,68 @@ CONFIG_FILE = "mtp_jax_config.json"  # marks a converted folder (checkpoints_con
 
 def is_converted(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def read_converted_config(path: str) -> ModelConfig:
+    """The `ModelConfig` in a converted folder's mtp_jax_config.json (`path`: the file). A file that is not one (not
+    JSON, a field missing, unknown or of the wrong type, values that do not fit together) is refused with one line
+    naming the file and the field."""
+    raw = read_json_object(path)
+    try:
+        return _from_dict(ModelConfig, raw, "")
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConversionError(f"{path}: not an mtp_jax model config ({e})") from None
+
+
+def _from_dict(cls, raw: dict, where: str):
+    """Dataclass `cls` from its `dataclasses.asdict` form, every field checked against its annotation; `where`: the
+    prefix of the fields' names in messages."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown field {where}{unknown[0]}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, field in fields.items():
+        if name in raw:
+            values[name] = _field_value(hints[name], raw[name], where + name)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ValueError(f"{where}{name} is missing")
+    return cls(**values)
+
+
+SCALAR_FIELDS = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an integer >= 0", lambda v: type(v) is int and v >= 0),  # every int field is a size, a count or an id
+    float: ("a number", lambda v: type(v) in (int, float)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _field_value(hint, value, name: str):
+    """`value` as the field `name` of type `hint` holds it: a dataclass from a dict, a tuple from a list."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType:  # X | None: the only unions the configs use
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        return _field_value(hint, value, name)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be an object, got {value!r}")
+        return _from_dict(hint, value, f"{name}.")
+    if origin is tuple:  # tuple[X, ...]
+        if not isinstance(value, list):
+            raise TypeError(f"{name} must be a list, got {value!r}")
+        return tuple(_field_value(args[0], v, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin is typing.Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    wanted, valid = SCALAR_FIELDS[hint]
+    if not valid(value):
+        raise TypeError(f"{name} must be {wanted}, got {value!r}")
+    return value
 
 
 def assemble(cfg: ModelConfig, params: dict, dtype, rules: ShardingRules | None = None) -> CausalLM:
@@ -42,8 +109,7 @@ def _restore_converted(path: str, dtype, rules: ShardingRules | None) -> CausalL
 
     from checkpoints_convert.convert import PARAMS_DIR, abstract_params, nest
 
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        cfg = ModelConfig.from_json(f.read())
+    cfg = read_converted_config(os.path.join(path, CONFIG_FILE))
 
     def target(param_path, spec):
         sharding = None if rules is None else rules.param_sharding(param_path, spec.shape)

@@ -324,19 +324,6 @@ class ModelConfig:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str) -> ModelConfig:
-        raw = json.loads(text)
-        raw["rope"] = RopeConfig(**raw["rope"])
-        raw["mtp"] = MtpConfig(**raw["mtp"]) if raw.get("mtp") else None
-        raw["mla"] = MlaConfig(**raw["mla"]) if raw.get("mla") else None
-        raw["moe"] = MoeConfig(**raw["moe"]) if raw.get("moe") else None
-        linear = raw.get("linear_attention")
-        raw["linear_attention"] = GatedDeltaNetConfig(**linear) if linear else None
-        raw["layer_types"] = tuple(raw.get("layer_types", ()))
-        raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
-        return cls(**raw)
-
 
 def hybrid_segments(kinds: list[LayerKind]) -> tuple[Segment, ...]:
     """Layers of a hybrid trunk as few scanned segments: from each start, the repeated group (a group of p layers

@@ -1,15 +1,21 @@
-"""python -m mtp_jax.decode: batch generation from prompts to JSONL, with MTP drafting when the model has a head."""
+"""python -m mtp_jax.decode: batch generation from prompts to JSONL, with MTP drafting when the model has a head.
+
+Rows are written as their batch finishes: to stdout, or to FILE.partial-<settings> beside --out, renamed to --out
+when every row is there. A run that stops early keeps its finished rows there, and --resume continues it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.files import write_atomically
 
 
 def positive_int(text: str) -> int:
@@ -34,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompts-file", help=".txt (a prompt a line) or .jsonl (prompt or token_ids a line)")
     parser.add_argument("--head", help="MTP head folder from train_head (default: the model's own or shipped head)")
     parser.add_argument("--out", help="output JSONL (default: stdout)")
+    parser.add_argument("--resume", action="store_true", help="keep the rows an earlier run with the same settings "
+                        "finished (in --out's partial file, or in --out) and decode only the rest")  # fmt: skip
     parser.add_argument("--num-draft", type=non_negative_int, help="drafts per round (default 3 with a head)")
     parser.add_argument("--no-mtp", action="store_true", help="plain decoding through the same loop (k = 0)")
     parser.add_argument("--adaptive", action="store_true", help="each round drafts 0..K tokens (K = --num-draft), "
@@ -100,16 +108,187 @@ def choose_num_draft(args, has_mtp: bool) -> int:
     return 3
 
 
-def write_atomically(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=folder)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual permissions
-    os.replace(tmp, path)
+def check_output_path(path: str, option: str) -> None:
+    """Refuse, before any work, an output path that cannot be written: a folder, or one under a file."""
+    if os.path.isdir(path):
+        raise UserError(f"{option} {path}: is a folder")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise UserError(f"{option} {path}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {path}: cannot write in {ancestor}")
+
+
+def check_budget(model, prompts, cfg, batch_size: int) -> None:
+    """Refuse, before compiling, a budget past the model's context, or caches and parameters that cannot fit in the
+    memory of a device (of the machine, on CPU)."""
+    import jax
+    from flax import nnx
+
+    from mtp_jax.prompts import bucket
+    from mtp_jax.speculative import cache_slots
+
+    longest, context = max(len(p.token_ids) for p in prompts), model.config.max_position_embeddings
+    if longest + cfg.max_new_tokens > context:
+        raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: the longest prompt ({longest} tokens) and the budget "
+                        f"take {longest + cfg.max_new_tokens} positions; the model's context is {context}")  # fmt: skip
+    slots = cache_slots(bucket(longest), cfg)
+    caches = jax.eval_shape(
+        lambda: (model.new_cache(batch_size, slots), model.new_mtp_cache(batch_size, slots) if cfg.num_draft else ())
+    )
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    devices = 1 if model.sharding_rules is None else model.sharding_rules.mesh.size
+    need = cache_bytes + param_bytes
+    capacity, where = memory_capacity(model)
+    if capacity is not None and need / devices > capacity:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"
+        spread = f" ({gib(need / devices)} on each of {devices} devices)" if devices > 1 else ""
+        raise UserError(
+            f"--max-new-tokens {cfg.max_new_tokens} with --batch-size {batch_size}: the caches ({gib(cache_bytes)}) "
+            f"and the parameters ({gib(param_bytes)}) need {gib(need)}{spread}, more than the {gib(capacity)} of "
+            f"{where}"
+        )
+
+
+def memory_capacity(model) -> tuple[int | None, str]:
+    """The bytes one device of the model may hold, and what they are: the machine's RAM, shared by this process's CPU
+    devices, or one accelerator's memory limit (None where the platform does not say)."""
+    import jax
+
+    device = jax.local_devices()[0]
+    if device.platform != "cpu":
+        return (device.memory_stats() or {}).get("bytes_limit"), f"one {device.device_kind}"
+    mesh = None if model.sharding_rules is None else model.sharding_rules.mesh
+    local = 1 if mesh is None else sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None, "this machine"
+    return ram // local, "this machine's RAM" + (f" shared by {local} devices" if local > 1 else "")
+
+
+ROW_SETTINGS = ("model", "head", "dtype", "no_mtp", "num_draft", "adaptive", "round_costs", "temperature", "top_p",
+                "top_k", "max_new_tokens", "seed", "no_chat")  # fmt: skip
+
+
+class RowOutput:
+    """Where process 0 writes finished rows, batch by batch: stdout, or `--out`'s partial file, renamed to `--out`
+    by `finish`.
+
+    The partial file, FILE.partial-<hash of the settings that shape rows>, holds whole rows in the output's format,
+    in input order. A fresh run refuses to start beside one (its rows would be lost); --resume keeps its rows (or a
+    complete FILE's) when they are those of this run's first prompts, and refuses one of other settings."""
+
+    def __init__(self, args, prompts: list[str | list[int]]):
+        self.file, self.kept, self.written = None, 0, 0
+        if args.out is None:
+            return
+        self.out = os.path.abspath(args.out)
+        folder, name = os.path.split(self.out)
+        os.makedirs(folder, exist_ok=True)
+        settings = {k: getattr(args, k) for k in ROW_SETTINGS}
+        settings.update({k: os.path.abspath(settings[k]) for k in ("model", "head") if settings[k] is not None})
+        key = json.dumps(settings, sort_keys=True)
+        self.partial = f"{self.out}.partial-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        partials = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.startswith(f"{name}.partial-"))
+        if partials and not args.resume:
+            raise UserError(f"{partials[0]} holds the finished rows of an unfinished run: --resume continues it "
+                            "(same settings); remove it to start over")  # fmt: skip
+        if partials and self.partial not in partials:
+            raise UserError(f"--resume: {partials[0]} was written with other settings (model, head, dtype, drafts, "
+                            "sampling, budget, seed or chat): rerun with those, or remove it")  # fmt: skip
+        source = self.partial if partials else self.out if args.resume and os.path.isfile(self.out) else None
+        rows, size = read_rows(source, prompts) if source else ([], 0)
+        self.file = os.fdopen(os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise UserError(f"{self.partial}: another decode is writing it") from None
+        if source == self.out:
+            with open(self.out, "rb") as f:
+                self.file.write(f.read(size))
+        self.file.truncate(size)  # a row cut short by a kill goes
+        self.file.seek(size)
+        self.kept = len(rows)
+        if rows:
+            print(f"resuming: {len(rows)} finished rows kept from {source}", file=sys.stderr)
+
+    def write(self, rows: list[dict]) -> None:
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        if self.file is None:
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+        else:
+            self.file.write(lines.encode("utf-8"))
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        self.written += len(rows)
+
+    def finish(self) -> None:
+        """Every row is written: the partial file becomes `--out`."""
+        if self.file is not None:
+            os.replace(self.partial, self.out)
+            self.file.close()
+
+    def abandon(self) -> str:
+        """The run stops early: keep the partial file when it holds rows (said in the returned note), else remove it."""
+        if self.file is None:
+            return ""
+        rows = self.kept + self.written
+        self.file.close()
+        if not rows:
+            os.unlink(self.partial)
+            return ""
+        return f"{rows} finished rows kept in {self.partial}; rerun with --resume to continue"
+
+
+def read_rows(path: str, prompts: list[str | list[int]]) -> tuple[list[dict], int]:
+    """The whole rows at the start of an output file, checked to be rows of `prompts` (texts or token ids) in order,
+    and the bytes they take."""
+    rows, size = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break  # cut short by a kill
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise UserError(f"--resume: {path} line {len(rows) + 1} is not an output row") from None
+            i = len(rows)
+            if not isinstance(row, dict) or set(row) != set(ROW_FIELDS) or row["index"] != i:
+                raise UserError(f"--resume: {path} line {i + 1} is not row {i} of a decode output")
+            if i >= len(prompts) or row["prompt"] != prompts[i]:
+                raise UserError(f"--resume: {path} row {i} is not for prompt {i} of this run: remove the file to "
+                                "start over")  # fmt: skip
+            rows.append(row)
+            size += len(line)
+    return rows, size
+
+
+ROW_FIELDS = ("index", "prompt", "text", "token_ids", "num_tokens", "finish_reason")
+
+
+def open_output(args, prompts: list[str | list[int]], lead: bool) -> tuple[RowOutput | None, int]:
+    """(process 0's RowOutput, else None; the rows already done, the same on every process)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    output = error = None
+    if lead:
+        try:
+            output = RowOutput(args, prompts)
+        except Exception as e:  # the other processes must not wait for a count that never comes
+            error = e
+    kept = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if error else output.kept if lead else 0)))
+    if error is not None:
+        raise error
+    if kept < 0:
+        raise UserError("process 0 could not open the output (its error says why)")
+    return output, kept
 
 
 def run(args) -> int:
@@ -121,9 +300,44 @@ def run(args) -> int:
         raise UserError(f"{args.model}: no such model file or folder")
     if args.round_costs is not None and not args.adaptive:
         raise UserError("--round-costs goes with --adaptive")
+    if args.resume and not args.out:
+        raise UserError("--resume goes with --out")
+    for option, path in (("--out", args.out), ("--stats-json", args.stats_json)):
+        if path is not None:
+            check_output_path(path, option)
+    if args.out and args.stats_json and os.path.abspath(args.out) == os.path.abspath(args.stats_json):
+        raise UserError("--out and --stats-json name the same file")
     records = read_records(args)
     start_distributed(args)
 
+    import jax
+
+    from mtp_jax.stats import summary_paragraph
+
+    lead = jax.process_index() == 0  # every process decodes its shards; the first one writes
+    output, done = open_output(args, [item for item, _ in records], lead)
+    try:
+        summary = decode_rows(args, records, output, done, lead)
+    except BaseException as e:
+        note = output.abandon() if lead else ""
+        if isinstance(e, KeyboardInterrupt) and note:
+            raise KeyboardInterrupt(note) from None
+        raise
+    if not lead:
+        return 0
+    output.finish()
+    if summary is None:
+        print(f"all {len(records)} rows were already in {args.out}: nothing decoded, no statistics", file=sys.stderr)
+        return 0
+    if args.stats_json:
+        write_atomically(args.stats_json, json.dumps(summary, indent=2) + "\n")
+    print(summary_paragraph(summary, len(records) - done), file=sys.stderr)
+    return 0
+
+
+def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) -> dict | None:
+    """Decode the prompts from `done` on, batch by batch, each batch's rows to `output` (process 0) as it finishes;
+    the statistics summary of the run (None when every row was already done)."""
     import jax
     import numpy as np
     from tqdm import tqdm
@@ -139,7 +353,6 @@ def run(args) -> int:
     except ValueError as e:
         raise UserError(f"--mesh: {e}") from None
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh)
-    lead = jax.process_index() == 0  # every process decodes its shards; the first one writes
     cfg = model.config
     num_draft = choose_num_draft(args, cfg.has_mtp)
     prompts = encode_prompts(
@@ -167,10 +380,13 @@ def run(args) -> int:
     if model.sharding_rules is not None:  # every data shard gets the same number of rows (padding repeats a row)
         shards = model.sharding_rules.axis_size("batch")
         batch_size = -(-batch_size // shards) * shards
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    check_budget(model, prompts, decode_cfg, batch_size)
+    todo = prompts[done:]
+    if not todo:
+        return None
+    batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
     row_sampling = per_row_sampling(args, [overrides for _, overrides in records])
-    compiled, compile_seconds, wall, counters = {}, 0.0, 0.0, None
-    records = []
+    compiled, compile_seconds, wall, counters, generated_tokens = {}, 0.0, 0.0, None, 0
     for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2 or not lead, file=sys.stderr):
         width = bucket(max(len(p.token_ids) for p in batch))
         ids, lens = pad_batch(batch, batch_size, width)
@@ -185,9 +401,11 @@ def run(args) -> int:
         wall += time.perf_counter() - start
         counters = stats.add(counters, out.stats)
         tokens, lengths, by_eos = (to_host(x) for x in (out.tokens, out.lengths, out.finished_by_eos))
+        finished = []
         for row, prompt in enumerate(batch):
             generated = tokens[row, : lengths[row]].tolist()
-            records.append(
+            generated_tokens += len(generated)
+            finished.append(
                 {
                     "index": prompt.index,
                     "prompt": prompt.text if prompt.text is not None else list(prompt.token_ids),
@@ -197,21 +415,11 @@ def run(args) -> int:
                     "finish_reason": "eos" if by_eos[row] else "length",
                 }
             )
-    generated_tokens = sum(r["num_tokens"] for r in records)
-    summary = stats.summarize(
+        if lead:
+            output.write(finished)
+    return stats.summarize(
         counters, num_draft=num_draft, generated_tokens=generated_tokens, wall=wall, compile_seconds=compile_seconds
     )
-    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    if not lead:
-        return 0
-    if args.out:
-        write_atomically(args.out, lines)
-    else:
-        sys.stdout.write(lines)
-    if args.stats_json:
-        write_atomically(args.stats_json, json.dumps(summary, indent=2) + "\n")
-    print(stats.summary_paragraph(summary, len(records)), file=sys.stderr)
-    return 0
 
 
 def read_records(args) -> list[tuple[str | list[int], dict]]:

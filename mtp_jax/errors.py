@@ -1,4 +1,4 @@
-"""The exception type for problems the user can fix."""
+"""The exception type for problems the user can fix, and the entry points' one-line reporting of them."""
 
 
 class UserError(Exception):
@@ -6,7 +6,8 @@ class UserError(Exception):
 
 
 def run_cli(run, args) -> int:
-    """Call `run(args)`; a bad input or checkpoint becomes one line on stderr and exit status 1."""
+    """Call `run(args)`; a bad input or checkpoint, or a file that cannot be read or written, becomes one line on
+    stderr and exit status 1; Ctrl-C one line (what was kept, when `run` says) and status 130."""
     import sys
 
     from checkpoints_convert.errors import ConversionError
@@ -16,3 +17,9 @@ def run_cli(run, args) -> int:
     except (UserError, ConversionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        print(f"error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        print(f"interrupted{f': {e}' if e.args else ''}", file=sys.stderr)
+        return 130

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,7 @@ from mtp_jax.models.causal_lm import CausalLM
 
 HEAD_FILE = "head.safetensors"
 HEAD_CONFIG = "head.json"
+STAGED = ".partial-"  # `.head.safetensors.partial-*`: a head file being written
 DRAFT_VOCAB_KEY = "mtp.draft_vocab"
 HEAD_FOLDER_NAME = "mtp_head"  # a head inside a model folder is picked up by `load_model`
 DEFAULT_HEAD = os.path.join(os.path.dirname(__file__), "shipped_heads", "smollm2-135m-instruct")
@@ -48,19 +50,43 @@ def trunk_fingerprint(cfg: ModelConfig) -> dict:
 
 
 def save_head(model: CausalLM, folder: str) -> None:
-    """Write the model's MTP head (bf16 for floating tensors) into `folder`."""
+    """Write the model's MTP head (bf16 for floating tensors) into `folder`, refusing non-finite weights.
+
+    A head there is replaced so that the folder holds the old head, no head or the new one, never a mix: both files
+    are written beside their places first, then `head.json` (what marks a head folder) goes, `head.safetensors` and
+    `head.json` are renamed into place, in that order. Files a killed save left beside them are removed.
+    """
     import ml_dtypes
     from safetensors.numpy import save_file
 
     from checkpoints_convert.export import hf_tensors
 
-    tensors = {name: value.astype(ml_dtypes.bfloat16) for name, value in hf_tensors(model, only_mtp=True).items()}
+    weights = hf_tensors(model, only_mtp=True)
+    bad = [name for name, value in weights.items() if not np.all(np.isfinite(value))]
+    if bad:
+        raise UserError(f"refusing to save an MTP head with non-finite weights: {', '.join(bad[:3])}")
+    tensors = {name: value.astype(ml_dtypes.bfloat16) for name, value in weights.items()}
     if model.draft_vocab is not None:
         tensors[DRAFT_VOCAB_KEY] = np.asarray(model.draft_vocab[...], np.int32)
+    meta = {"mtp": dataclasses.asdict(model.config.mtp), "trunk": trunk_fingerprint(model.config)}
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, HEAD_FILE))
-    with open(os.path.join(folder, HEAD_CONFIG), "w") as f:
-        json.dump({"mtp": dataclasses.asdict(model.config.mtp), "trunk": trunk_fingerprint(model.config)}, f, indent=2)
+    for leftover in os.listdir(folder):
+        if leftover.startswith((f".{HEAD_FILE}{STAGED}", f".{HEAD_CONFIG}{STAGED}")):
+            os.unlink(os.path.join(folder, leftover))
+    staged = {name: os.path.join(folder, f".{name}{STAGED}{secrets.token_hex(4)}") for name in (HEAD_FILE, HEAD_CONFIG)}
+    try:
+        save_file(tensors, staged[HEAD_FILE])
+        with open(staged[HEAD_CONFIG], "w") as f:
+            json.dump(meta, f, indent=2)
+        if os.path.exists(os.path.join(folder, HEAD_CONFIG)):
+            os.unlink(os.path.join(folder, HEAD_CONFIG))
+        for name in (HEAD_FILE, HEAD_CONFIG):
+            os.replace(staged[name], os.path.join(folder, name))
+    except BaseException:
+        for path in staged.values():
+            if os.path.exists(path):
+                os.unlink(path)
+        raise
 
 
 def attach_head(model: CausalLM, folder: str) -> CausalLM:
@@ -72,16 +98,19 @@ def attach_head(model: CausalLM, folder: str) -> CausalLM:
     from mtp_jax.sharding import place_host_array
 
     try:
-        with open(os.path.join(folder, HEAD_CONFIG)) as f:
+        with open(os.path.join(folder, HEAD_CONFIG), encoding="utf-8") as f:
             meta = json.load(f)
         head = SafetensorsFile(os.path.join(folder, HEAD_FILE))
-    except (OSError, json.JSONDecodeError, ConversionError) as e:
+        trunk, mtp = meta["trunk"], MtpConfig(**meta["mtp"])
+    except (OSError, ValueError, ConversionError) as e:  # ValueError: not UTF-8 JSON
         raise UserError(f"{folder}: not a readable MTP head ({e})") from None
-    if meta["trunk"] != trunk_fingerprint(model.config):
-        raise UserError(
-            f"{folder}: head was trained for {meta['trunk']}, not this model {trunk_fingerprint(model.config)}"
-        )
-    cfg = model.config.replace(mtp=MtpConfig(**meta["mtp"]))
+    except KeyError as e:
+        raise UserError(f"{os.path.join(folder, HEAD_CONFIG)}: {e.args[0]} is missing") from None
+    except TypeError as e:
+        raise UserError(f"{os.path.join(folder, HEAD_CONFIG)}: not a head description ({e})") from None
+    if trunk != trunk_fingerprint(model.config):
+        raise UserError(f"{folder}: head was trained for {trunk}, not this model {trunk_fingerprint(model.config)}")
+    cfg = model.config.replace(mtp=mtp)
     dtype = model.dtype
     source = _HeadSource(head, cfg)
     rules = model.sharding_rules  # a model on a mesh gets its head placed beside it, shard by shard

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 
@@ -34,8 +35,14 @@ def read_prompt_records(path: str) -> list[tuple[str | list[int], dict]]:
     """
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such prompts file")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f]
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte {data[e.start]:#04x})") from None
+    lines = [line.rstrip("\n") for line in io.StringIO(text, newline=None)]  # universal newlines, as open() reads
     records: list[tuple[str | list[int], dict]] = []
     if path.endswith(".jsonl"):
         for number, line in enumerate(lines, 1):

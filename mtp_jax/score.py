@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.files import write_atomically
 from mtp_jax.models.causal_lm import CausalLM
 
 
@@ -134,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     from mtp_jax import checkpoint
-    from mtp_jax.decode import write_atomically
     from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 
     if args.num_draft < 1:

@@ -1,10 +1,85 @@
-"""Named model shapes for timing random weights without a checkpoint (`python -m mtp_jax.bench --random-shape`)."""
+"""Model shapes without weights: named shapes (`python -m mtp_jax.bench --random-shape NAME`, `python -m mtp_jax.plan
+--random-shape NAME`) and `config_from_path`, the shape of a model folder or config file.
+
+The full-size shapes are the released Hugging Face `config.json` files in mtp_jax/data/released_configs/ (sources:
+its README), mapped by the converter's own `model_config_from_hf`: a shape is exactly what a user bringing that
+config.json gets. The test sizes are written out here; the slices are full shapes cut to a few layers.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+import pathlib
 from collections.abc import Callable
 
+from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.hf_config import model_config_from_hf
+from checkpoints_convert.source import read_json_object
+from mtp_jax.checkpoint import CONFIG_FILE, read_converted_config
 from mtp_jax.config import GatedDeltaNetConfig, MlaConfig, ModelConfig, MoeConfig, MtpConfig, RopeConfig
+from mtp_jax.errors import UserError
+
+FULL_CONFIGS = pathlib.Path(__file__).resolve().parent / "data" / "released_configs"  # {name}.json, as released
+FULL_SHAPES = (
+    "deepseek-v3",
+    "glm-4.5",
+    "glm-4.5-air",
+    "mimo-7b",
+    "qwen3-next-80b-a3b",
+    "qwen3.5-397b-a17b",
+    "qwen3.6-27b",
+    "qwen3.6-35b-a3b",
+)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        return read_json_object(path)
+    except ConversionError as e:  # names the file
+        raise UserError(str(e)) from None
+
+
+def _hf_config(path: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json; EOS ids from a generation_config.json beside it when the config
+    has none, as conversion reads them (checkpoints_convert/source.py)."""
+    hf = _read_json(path)
+    generation = os.path.join(os.path.dirname(path), "generation_config.json")
+    if "eos_token_id" not in hf and os.path.isfile(generation):
+        hf["eos_token_id"] = _read_json(generation).get("eos_token_id")
+    try:
+        return model_config_from_hf(hf)
+    except ConversionError as e:  # a missing, mistyped or unsupported field, by name
+        raise UserError(f"{path}: {e}") from None
+
+
+def _converted_config(path: str) -> ModelConfig:
+    try:
+        return read_converted_config(path)
+    except ConversionError as e:  # names the file and the field
+        raise UserError(str(e)) from None
+
+
+def config_from_path(path: str) -> ModelConfig:
+    """The ModelConfig at `path`, no weights read: a converted mtp_jax folder (its mtp_jax_config.json), a Hugging
+    Face folder (its config.json: weights optional), or either JSON file itself. A config that announces an MTP
+    layer gives a shape with one, also where a checkpoint strips the layer (conversion then drops it)."""
+    if os.path.isdir(path):
+        converted, hf = os.path.join(path, CONFIG_FILE), os.path.join(path, "config.json")
+        if os.path.isfile(converted):
+            return _converted_config(converted)
+        if os.path.isfile(hf):
+            return _hf_config(hf)
+        raise UserError(f"{path}: no config.json or {CONFIG_FILE} (not a model folder)")
+    if os.path.isfile(path):
+        return _converted_config(path) if os.path.basename(path) == CONFIG_FILE else _hf_config(path)
+    raise UserError(f"{path}: no such file or folder")
+
+
+def full_shape(name: str) -> ModelConfig:
+    """A released model's shape: data/released_configs/{name}.json through the converter's config mapping."""
+    return config_from_path(str(FULL_CONFIGS / f"{name}.json"))
 
 
 def tiny() -> ModelConfig:
@@ -46,27 +121,6 @@ def smollm2_135m() -> ModelConfig:
     )
 
 
-def mimo_7b() -> ModelConfig:
-    """MiMo-7B: a Qwen2 trunk (qkv bias, untied) with one MTP layer in MiMo's layout."""
-    return ModelConfig(
-        family="mimo",
-        vocab_size=151680,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_layers=36,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope=RopeConfig(theta=640000.0),
-        qkv_bias=True,
-        max_position_embeddings=32768,
-        eos_token_ids=(151643,),
-        bos_token_id=151643,
-        mtp=MtpConfig(layout="mimo"),
-    )
-
-
 def deepseek_v3_tiny() -> ModelConfig:
     """Test size (configs/tiny/deepseek_v3.json): 3 layers (1 dense, 2 with 16 routed experts, top-4 of 2 groups
     of the 4), MLA with query LoRA, yarn rotary, a DeepSeek MTP layer with experts."""
@@ -103,38 +157,8 @@ def deepseek_v3_tiny() -> ModelConfig:
 def deepseek_v3_slice() -> ModelConfig:
     """DeepSeek-V3 at real width, 2 layers deep (the first dense, the second with all 256 routed experts) plus its
     MTP layer (256 experts too): about 25B parameters, 50 GB in bfloat16 — for an 80 GB accelerator."""
-    return ModelConfig(
-        family="deepseek_v3",
-        vocab_size=129280,
-        hidden_size=7168,
-        intermediate_size=18432,
-        num_layers=2,
-        num_heads=128,
-        num_kv_heads=128,
-        head_dim=192,
-        rope=RopeConfig(
-            kind="yarn",
-            factor=40.0,
-            original_max_position_embeddings=4096,
-            mscale_all_dim=1.0,
-            interleaved=True,
-        ),
-        max_position_embeddings=163840,
-        eos_token_ids=(1,),
-        bos_token_id=0,
-        mtp=MtpConfig(layout="deepseek"),
-        mla=MlaConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536),
-        moe=MoeConfig(
-            num_experts=256,
-            experts_per_token=8,
-            expert_intermediate_size=2048,
-            num_shared_experts=1,
-            num_groups=8,
-            topk_groups=4,
-            routed_scaling_factor=2.5,
-            first_dense_layers=1,
-        ),
-    )
+    full = full_shape("deepseek-v3")
+    return full.replace(num_layers=2, moe=dataclasses.replace(full.moe, first_dense_layers=1))
 
 
 def _qwen_hybrid(num_layers: int, **shape) -> ModelConfig:
@@ -172,28 +196,29 @@ def qwen3_5_tiny() -> ModelConfig:
 
 
 def qwen3_6_27b_slice() -> ModelConfig:
-    """Qwen3.6-27B (= Qwen3.5-27B's shape) at real width, 8 of its 64 layers (2 groups of 3 DeltaNet + 1 gated
-    attention) plus its MTP layer: about 6.0B parameters, 12 GB in bfloat16."""
-    return _qwen_hybrid(
-        8,
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_heads=24,
-        num_kv_heads=4,
-        head_dim=256,
-        max_position_embeddings=262144,
-        eos_token_ids=(248044,),
-        linear=GatedDeltaNetConfig(num_key_heads=16, num_value_heads=48, key_head_dim=128, value_head_dim=128),
-    )
+    """Qwen3.6-27B at real width, 8 of its 64 layers (2 groups of 3 DeltaNet + 1 gated attention) plus its MTP
+    layer: about 6.0B parameters, 12 GB in bfloat16."""
+    full = full_shape("qwen3.6-27b")
+    return full.replace(num_layers=8, layer_types=full.layer_types[:8])
 
 
 SHAPES: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "smollm2-135m": smollm2_135m,
-    "mimo-7b": mimo_7b,
     "deepseek-v3-tiny": deepseek_v3_tiny,
     "deepseek-v3-slice": deepseek_v3_slice,
     "qwen3.5-tiny": qwen3_5_tiny,
     "qwen3.6-27b-slice": qwen3_6_27b_slice,
+    **{name: functools.partial(full_shape, name) for name in FULL_SHAPES},
 }
+
+
+def shape_names() -> list[str]:
+    return sorted(SHAPES)
+
+
+def shape(name: str) -> ModelConfig:
+    """The named shape; an unknown name is a one-line error listing the known ones."""
+    if name not in SHAPES:
+        raise UserError(f"unknown shape {name!r}; known: {', '.join(shape_names())}")
+    return SHAPES[name]()

@@ -8,8 +8,11 @@ Writes a head folder (DeepSeek-style keys, bf16) that `load_model(..., head=FOLD
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -19,6 +22,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.files import write_atomically
+from mtp_jax.heads import HEAD_CONFIG
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True, help="head folder to write")
     parser.add_argument("--checkpoint-dir", help="orbax checkpoints (default: OUT/checkpoints)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (of a run with "
+                        "the same settings and data)")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true", help="start afresh over the head and checkpoints of an "
+                        "earlier run in --out (--checkpoint-dir)")  # fmt: skip
     parser.add_argument("--init", choices=("trunk-last", "existing", "random"), default="trunk-last",
                         help="start from the trunk's last layer, the model's head (or --head), or random")  # fmt: skip
     parser.add_argument("--head", help="with --init existing: the head folder to finetune (default: the model's "
@@ -101,17 +109,18 @@ def training_model(trunk, args, records):
 
 def load_sequences(path: str, model, tokenizer) -> list[dict]:
     from mtp_jax.distill import distill
-    from mtp_jax.training import read_records
+    from mtp_jax.training import check_sequences, read_records
 
     try:
         records = read_records(path)
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot read JSONL ({e})") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read JSONL ({e.strerror or e})") from None
     if not records:
         raise UserError(f"{path}: no records")
-    if all("token_ids" in r for r in records):
+    if all(isinstance(r, dict) and "token_ids" in r for r in records):
+        check_sequences(records, model.config.vocab_size, path)
         return records
-    if not all(isinstance(r.get("prompt"), str) for r in records):
+    if not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in records):
         raise UserError(f'{path}: every line needs "token_ids" or "prompt"')
     if tokenizer is None:
         raise UserError("prompts given but the model has no tokenizer: give token_ids")
@@ -145,10 +154,27 @@ def run(args) -> int:
         raise UserError("--block-layers must be >= 1")
     if args.head and args.init != "existing":
         raise UserError("--head goes with --init existing")
+    if args.resume and args.overwrite:
+        raise UserError("--resume and --overwrite exclude each other")
+    checkpoints = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
+    steps, head_file = saved_steps(checkpoints), os.path.join(args.out, HEAD_CONFIG)
+    resuming = args.resume and bool(steps)
+    earlier = steps[:1] or ([head_file] if os.path.isfile(head_file) else [])
+    if earlier and not resuming and not args.overwrite:
+        what, hint = ("checkpoint", "--resume continues that run, ") if steps else ("head", "")
+        raise UserError(f"{earlier[0]}: another run's {what} is there: {hint}--overwrite starts afresh over it")
     trunk, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
     records = load_sequences(args.data, trunk, tokenizer)
     model = training_model(trunk, args, records)
     del trunk
+    settings = run_settings(args, model)
+    settings_file = os.path.join(checkpoints, RUN_SETTINGS)
+    if resuming:
+        check_same_run(settings_file, settings)
+    else:
+        for step in steps:
+            shutil.rmtree(step)
+        write_atomically(settings_file, json.dumps(settings, indent=2) + "\n")
     with tqdm(total=len(records), desc="trunk hiddens", unit="seq", file=sys.stderr) as bar:
         data = SequenceData(model, records, args.seq_len, progress=bar.update)
     eval_data = None
@@ -159,8 +185,7 @@ def run(args) -> int:
         learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed,
     )  # fmt: skip
     trainer = Trainer(model, cfg)
-    checkpoints = args.checkpoint_dir or os.path.join(args.out, "checkpoints")
-    if args.resume and trainer.restore(checkpoints):
+    if resuming and trainer.restore(checkpoints):
         print(f"resumed from step {trainer.step}", file=sys.stderr)
     log = []
     start = time.perf_counter()
@@ -171,6 +196,11 @@ def run(args) -> int:
             if trainer.step % args.eval_every == 0 or trainer.step == args.steps:
                 entry = {"step": trainer.step, "loss": float(metrics["loss"]),
                          "accuracy_per_step": np.asarray(metrics["acc"]).round(4).tolist()}  # fmt: skip
+                diverged = trainer.nonfinite()
+                if diverged:
+                    raise UserError(f"training diverged by step {trainer.step} (loss {entry['loss']}): "
+                                    f"{diverged[0]} is not finite; nothing saved from this step on "
+                                    "(a lower --lr may help)")  # fmt: skip
                 if eval_data is not None:
                     entry["eval"] = evaluate(trainer.model(), eval_data, args.num_mtp_steps)
                 log.append(entry)
@@ -184,10 +214,58 @@ def run(args) -> int:
         "args": vars(args),
         "log": log,
     }
-    with open(os.path.join(args.out, "training_report.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    write_atomically(os.path.join(args.out, "training_report.json"), json.dumps(report, indent=2))
     print(f"wrote head to {args.out} after {trainer.step} steps", file=sys.stderr)
     return 0
+
+
+RUN_SETTINGS = "run.json"  # beside the checkpoints: what --resume must match
+
+
+def saved_steps(checkpoints: str) -> list[str]:
+    """The checkpoints orbax committed in `checkpoints`: folders named by their step."""
+    if not os.path.isdir(checkpoints):
+        return []
+    return sorted(os.path.join(checkpoints, n) for n in os.listdir(checkpoints) if n.isdigit())
+
+
+def run_settings(args, model) -> dict:
+    """What makes a run's checkpoints continue it: the trunk, the head's shape and draft vocabulary, the data and the
+    optimization settings (not --steps: a run may be extended)."""
+    from mtp_jax.heads import trunk_fingerprint
+
+    digest = hashlib.sha256()
+    with open(args.data, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    vocab = None if model.draft_vocab is None else np.asarray(model.draft_vocab[...])
+    settings = {
+        "trunk": trunk_fingerprint(model.config),
+        "head": dataclasses.asdict(model.config.mtp),
+        "draft_vocab_sha256": None if vocab is None else hashlib.sha256(vocab.tobytes()).hexdigest(),
+        "data_sha256": digest.hexdigest(),
+        "dtype": np.dtype(model.dtype).name,
+        **{name: getattr(args, name) for name in ("objective", "num_mtp_steps", "batch_size", "seq_len", "lr",
+                                                  "warmup", "seed")},
+    }  # fmt: skip
+    return json.loads(json.dumps(settings))  # as read back from the file
+
+
+def check_same_run(path: str, settings: dict) -> None:
+    """Refuse to resume checkpoints that another run (other settings or data) wrote."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"--resume: {path} is missing or unreadable: cannot tell these checkpoints are this run's; "
+                        "--overwrite starts afresh") from None  # fmt: skip
+    differ = [name for name in settings if saved.get(name) != settings[name]]
+    if differ:
+        shown = ", ".join(
+            name if name.endswith("sha256") else f"{name} {saved.get(name)!r} (now {settings[name]!r})"
+            for name in differ
+        )
+        raise UserError(f"--resume: the checkpoints beside {path} are another run's; it differs in {shown}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
+from mtp_jax.errors import UserError
 from mtp_jax.models.causal_lm import CausalLM
 
 
@@ -184,6 +185,11 @@ class Trainer:
     def model(self) -> CausalLM:
         return nnx.merge(self.graphdef, self.params, self.frozen)
 
+    def nonfinite(self) -> list[str]:
+        """The trainable parameters holding a NaN or an infinity (a diverged run), by path."""
+        flat = nnx.to_flat_state(self.params)
+        return ["/".join(map(str, path)) for path, var in flat if not bool(jnp.all(jnp.isfinite(var[...])))]
+
     # Checkpoints: params and optimizer state as flat leaf lists (restored into this trainer's structures).
     def save(self, directory: str) -> None:
         import orbax.checkpoint as ocp
@@ -212,7 +218,8 @@ class Trainer:
 def _manager_options():
     import orbax.checkpoint as ocp
 
-    return ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    # A save cut short by a kill stays a temporary folder (never a checkpoint); the next manager removes it.
+    return ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -266,9 +273,34 @@ class SequenceData:
         )
 
 
-def read_records(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_records(path: str) -> list:
+    """The JSON values of a JSONL file's non-blank lines; a line that is not UTF-8 JSON is refused by number."""
+    records = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+                if line.strip():
+                    records.append(json.loads(line))
+            except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+                raise UserError(f"{path}:{number}: not a line of UTF-8 JSON ({e})") from None
+    return records
+
+
+def check_sequences(records: list, vocab_size: int, path: str) -> None:
+    """Refuse, by line, a record that is not {"token_ids": [ids in the vocabulary], "prompt_len": n >= 0}: an id
+    outside [0, vocab_size) would index past the embedding and train the head to NaN."""
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    for number, record in enumerate(records, 1):
+        ids = record.get("token_ids") if isinstance(record, dict) else None
+        if not isinstance(ids, list) or not ids or not all(integer(t) for t in ids):
+            raise UserError(f"{path}: record {number}: token_ids must be a non-empty list of integers")
+        if not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise UserError(f"{path}: record {number}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        prompt_len = record.get("prompt_len", 0)
+        if not integer(prompt_len) or prompt_len < 0:
+            raise UserError(f"{path}: record {number}: prompt_len must be an integer >= 0, got {prompt_len!r}")
 
 
 def frequent_tokens(records: list[dict], vocab_size: int, size: int) -> np.ndarray:

@@ -9,6 +9,10 @@ import os
 # subprocesses and notebook kernels the tests start, which inherit the environment), except where a test runs the
 # real default model (`optimized_compiles`). Benchmarks never run this way.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# libtpu is installed for the plans' TPU-topology compiles: JAX itself stays on the host CPU (no TPU runtime is
+# started or locked), and test workers may each load libtpu's compiler at once.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import pytest

@@ -99,12 +99,18 @@ def test_bench_bad_option_is_one_line(argv, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--model", "missing.gguf"], ["--random-shape", "tiny", "--peer"], ["--temperature", "-1"]]
+    ("argv", "message"),
+    [
+        (["--model", "missing.gguf"], "no such model"),
+        (["--random-shape", "tiny", "--peer"], "no transformers peer"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--random-shape", "tiny", "--adaptive", "--no-split"], "--adaptive needs --split"),  # costs come from it
+    ],
 )
-def test_bench_bad_input_is_one_line(argv, capsys):
+def test_bench_bad_input_is_one_line(argv, message, capsys):
     assert bench_main(argv) == 1
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and len(err.splitlines()) == 1
+    assert err.startswith("error:") and message in err and len(err.splitlines()) == 1, err
 
 
 def test_round_parts_time_a_hybrid_trunk():

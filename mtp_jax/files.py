@@ -1,0 +1,24 @@
+"""Output files written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` (UTF-8) to `path` through a file beside it renamed into place: `path` holds its old content or
+    the new, never part of either, and gets the permissions the umask gives."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
