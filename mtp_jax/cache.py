@@ -4,35 +4,108 @@ every slot past the query's position, so rejected drafts are simply overwritten 
 
 Every cache is a pytree whose leaves are [L, B, S, ...] arrays (layer, batch row, slot = absolute position), in the
 order a layer takes them as `past` and returns its new entries (models/causal_lm.py's LayerStack relies on it).
+
+An attention cache is one buffer, updated in place: rows write their entries with dynamic-update-slices (a scatter
+would want its own memory layout, the tiles over [kv heads, head dim], while attention reads chunks tiled over
+[slots, head dim]: XLA then converted the whole cache between the two every round, a second copy of it in memory),
+and on TPU every producer of a cache pins the layout attention reads (`_pinned`).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental.layout import Layout, with_layout_constraint
+from jax.sharding import PartitionSpec
 
 from mtp_jax.config import LayerKind, ModelConfig
+from mtp_jax.models import loops
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK
 from mtp_jax.models.gated_deltanet import DeltaNetState
-from mtp_jax.sharding import CACHE, DELTANET_CONV, DELTANET_STATE, constrain
-
-LATENT_CACHE = ("layers", "batch", "seq", None)  # [L, B, S, C]: no head axis to shard
+from mtp_jax.sharding import (
+    CACHE,
+    DELTANET_CONV,
+    DELTANET_STATE,
+    LATENT_CACHE,
+    ShardingRules,
+    active_rules,
+    constrain,
+    constrain_cache,
+)
 
 
 def write_slots(cache: jax.Array, entries: jax.Array, positions: jax.Array) -> jax.Array:
-    """cache [L, B, S, ...] with entries [L, B, T, ...] written at slots `positions` [B, T] of their own rows; slots
-    past S are dropped. The row is a batching dimension of the scatter, not an index, so a cache sharded over rows
-    is updated where it lies (an index scatter would make XLA gather every row's entries on every device)."""
-    trailing = tuple(range(3, cache.ndim))
-    numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(0, *trailing),
-        inserted_window_dims=(2,),
-        scatter_dims_to_operand_dims=(2,),
-        operand_batching_dims=(1,),
-        scatter_indices_batching_dims=(0,),
-    )
-    drop = jax.lax.GatherScatterMode.FILL_OR_DROP
-    return jax.lax.scatter(cache, positions[..., None], entries.astype(cache.dtype), numbers, mode=drop)
+    """cache [L, B, S, ...] (KVCache's [L, B, S, K, H] or LatentCache's [L, B, S, C]) with entries [L, B, T, ...]
+    written at slots `positions` [B, T] (contiguous per row) of their own rows; slots past S are dropped. On a mesh,
+    each device writes the rows and slots it holds (`shard_map`), so no cache moves between devices."""
+    rules = active_rules()
+    if rules is None:
+        return _write_rows(cache, entries, positions, 0)
+    spec = rules.cache_spec(CACHE if cache.ndim == 5 else LATENT_CACHE, cache.shape, ATTENTION_CHUNK)
+    slot_axes = spec[2]  # the mesh axes of a cache split over its slots, or None
+
+    def local(cache, entries, positions):  # this device's rows, and its run of slots
+        first = 0 if slot_axes is None else jax.lax.axis_index(slot_axes) * cache.shape[2]
+        return _write_rows(cache, entries, positions, first)
+
+    rows = PartitionSpec(*spec[:2], None, *spec[3:])  # entries [L, B, T, ...] split as the cache, bar the slots
+    run = jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, rows, PartitionSpec(spec[1], None)), out_specs=spec)
+    return run(cache, entries, positions)
+
+
+def _write_rows(cache: jax.Array, entries: jax.Array, positions: jax.Array, first) -> jax.Array:
+    """cache [L, B, S, ...] holding slots first .. first + S - 1, with entries [L, B, T, ...] written at `positions`
+    [B, T] (contiguous per row) where they fall in it: row by row, one dynamic-update-slice of a window of min(S, T)
+    slots, inside the cache, that keeps the slots no entry falls on."""
+    slots, t = cache.shape[2], entries.shape[2]
+    width = min(slots, t)
+    entries, positions = entries.astype(cache.dtype), jnp.asarray(positions)
+    per_slot = (1, 1, width) + (1,) * (cache.ndim - 3)
+    pin = _attention_layout if _on_tpu() else lambda x: x
+
+    def row(b, cache):
+        start = positions[b, 0] - first  # the row's first entry's slot in this cache
+        corner = jnp.clip(start, 0, slots - width)
+        index = corner + jnp.arange(width) - start  # [W] the entry each window slot takes
+        window = (0, b, corner) + (0,) * (cache.ndim - 3)
+        old = jax.lax.dynamic_slice(cache, window, (cache.shape[0], 1, width, *cache.shape[3:]))  # [L, 1, W, ...]
+        new = jnp.take(jax.lax.dynamic_slice_in_dim(entries, b, 1, axis=1), jnp.clip(index, 0, t - 1), axis=2)
+        keep = ((index < 0) | (index >= t)).reshape(per_slot)
+        return pin(jax.lax.dynamic_update_slice(cache, jnp.where(keep, old, new), window))
+
+    return loops.fori_loop(0, cache.shape[1], row, cache)
+
+
+def _pinned(x: jax.Array, layout) -> jax.Array:
+    """A cache [L, B, S, ...] with logical axes `layout` pinned to its sharding under the active rules
+    (ShardingRules.cache_spec) and, on TPU, each device's block to the memory layout attention reads
+    (`_attention_layout`; inside `shard_map`, where the partitioner cannot take the layout for a reason to gather)."""
+    x = constrain_cache(x, layout, ATTENTION_CHUNK)
+    rules = active_rules()
+    if not _on_tpu():
+        return x
+    if rules is None:
+        return _attention_layout(x)
+    spec = rules.cache_spec(layout, x.shape, ATTENTION_CHUNK)
+    return jax.shard_map(_attention_layout, mesh=rules.mesh, in_specs=spec, out_specs=spec)(x)
+
+
+def _on_tpu() -> bool:
+    """Whether the active rules' mesh (else the default backend) is made of TPU devices."""
+    rules = active_rules()
+    devices = rules.mesh.devices.flat if rules is not None else jax.devices()
+    return next(iter(devices)).platform == "tpu"
+
+
+def _attention_layout(x: jax.Array) -> jax.Array:
+    """A cache [L, B, S, ...] in the memory layout attention reads it in: the last dim minor, slots next (on TPU,
+    tiles over [slots, head dim]). Every producer of a cache pins it, so the decode loop keeps one buffer in one
+    layout (a cache in the layout its writes prefer was converted whole for the reads every round)."""
+    order = (*(d for d in range(x.ndim - 1) if d != 2), 2, x.ndim - 1)  # major to minor
+    return with_layout_constraint(x, Layout(major_to_minor=order))
 
 
 @struct.dataclass
@@ -51,8 +124,9 @@ class KVCache:
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     def constrained(self) -> KVCache:
-        """This cache pinned to its layout under active sharding rules (batch -> data, kv_heads -> model)."""
-        return KVCache(k=constrain(self.k, CACHE), v=constrain(self.v, CACHE))
+        """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data, kv_heads -> model,
+        or, when `model` does not divide the kv heads and the cache is long, its slots over model."""
+        return KVCache(k=_pinned(self.k, CACHE), v=_pinned(self.v, CACHE))
 
     @property
     def slots(self) -> int:
@@ -78,8 +152,9 @@ class LatentCache:
         return cls(latent=jnp.zeros((num_layers, batch, slots, cfg.mla.latent_dim), dtype))
 
     def constrained(self) -> LatentCache:
-        """This cache pinned to its layout under active sharding rules (batch -> data, the rest replicated)."""
-        return LatentCache(latent=constrain(self.latent, LATENT_CACHE))
+        """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data and, when long, its
+        slots over model and expert; whole on every device otherwise."""
+        return LatentCache(latent=_pinned(self.latent, LATENT_CACHE))
 
     @property
     def slots(self) -> int:
@@ -88,6 +163,15 @@ class LatentCache:
     def bytes_per_token(self) -> int:
         num_layers, _, _, dims = self.latent.shape
         return num_layers * dims * self.latent.dtype.itemsize
+
+
+def long_cache_shards(cfg: ModelConfig, rules: ShardingRules | None) -> int:
+    """M: how many shards `rules` split a long attention cache of this model into over its slots (1 off a mesh, or
+    where its kv heads take `model`); mtp_jax.speculative.cache_slots gives such a cache whole chunks per shard."""
+    if rules is None:
+        return 1
+    layout, heads = (LATENT_CACHE, (cfg.mla.latent_dim,)) if cfg.mla else (CACHE, (cfg.num_kv_heads, cfg.head_dim))
+    return math.prod(rules.mesh.shape[axis] for axis in rules.slot_axes(layout, (1, 1, 1, *heads)))  # [L, B, S, ...]
 
 
 def attention_cache(kind: LayerKind, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype):

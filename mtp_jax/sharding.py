@@ -4,7 +4,9 @@ Code names logical axes only:
   batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, experts, and layers (the stacked-layer axis).
 One `ShardingRules` object maps them to the mesh axes `data`, `expert` and `model`: tensor parallelism over
 `model` (query and kv heads, MLP width, vocabulary), batch over `data`, experts over `expert`. A dimension the
-mesh axes do not divide is replicated instead (kv_heads < model size: every model shard keeps all kv heads).
+mesh axes do not divide is replicated instead (kv_heads < model size: every model shard keeps all kv heads); a long
+attention cache whose heads stay whole so (or that has none: MLA's latents) is split over its slots instead
+(`ShardingRules.cache_spec`).
 
     mesh = make_mesh("data=2,model=4")            # or "auto": every device on `model`
     model = mtp_jax.load_model(path, mesh=mesh)   # each parameter lands directly in its NamedSharding
@@ -25,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "expert", "model")  # `model` innermost: neighbouring devices share a tensor-parallel group
@@ -55,11 +58,23 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(spec: str = "auto", devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, expert, model) from `spec` over `devices` (default: every device of every process)."""
+    """A mesh with axes (data, expert, model) from `spec` over `devices` (default: every device of every process).
+
+    Devices with physical coordinates (TPU slices) are laid out along the torus; a size that is no product of
+    physical axis sizes (8 on a 4x4x4 slice) splits a physical axis. A layout no split makes is a ValueError."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh_spec(spec, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+        pass  # no product of whole physical axes gives these sizes: split physical axes
+    try:
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (AssertionError, NotImplementedError, ValueError) as e:
+        raise ValueError(f"mesh {spec!r} cannot be laid out over these {len(devices)} devices' torus") from e
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 # Logical axes of every parameter, by the last components of its path (the longest match wins); leading stacked
@@ -122,6 +137,9 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
 HIDDEN = ("batch", "seq", "embed")  # [B, T, D]
 KV = ("batch", "seq", "kv_heads", "head_dim")  # [B, T, K, H]
 CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")  # [L, B, S, K, H]
+LATENT_CACHE = ("layers", "batch", "seq", None)  # [L, B, S, C]: no head axis
+HEADS = ("batch", "seq", "heads", None)  # [B, T, N, .] per-head activations
+WHOLE_HEADS = ("batch", "seq", None, None)  # [B, T, N, .] every head on every device: beside a cache split over slots
 DELTANET_CONV = ("layers", "batch", None, None)  # [L, B, W-1, C]: channels mix q, k and v of every head
 DELTANET_STATE = ("layers", "batch", "heads", None, None)  # [L, B, N, H, Y] over value heads
 LOGITS = ("batch", ..., "vocab")  # [B, ..., V]
@@ -164,7 +182,8 @@ class ShardingRules:
             for axis in self.mesh_axes(name):
                 if axis not in self.mesh.axis_names:
                     raise ValueError(f"rules map {name} to mesh axis {axis!r}, which mesh {self.mesh.axis_names} lacks")
-        for layout in (*PARAM_AXES.values(), HIDDEN, KV, CACHE, DELTANET_CONV, DELTANET_STATE, LOGITS):
+        for layout in (*PARAM_AXES.values(), HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, WHOLE_HEADS, DELTANET_CONV,
+                       DELTANET_STATE, LOGITS):  # fmt: skip
             self.spec(layout)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
@@ -202,6 +221,31 @@ class ShardingRules:
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return PartitionSpec(*parts)
 
+    def slot_axes(self, logical: Logical, shape: Sequence[int]) -> tuple[str, ...]:
+        """The mesh axes a long cache with these logical axes (its slot axis named `seq`) and `shape` splits its slots
+        over (`cache_spec`; the slot count itself is not looked at): when no other dimension takes `model` (kv heads
+        that `model` does not divide, or no head axis: MLA's latents), `model` and `expert` (those larger than 1);
+        none otherwise, or when its slots already take a mesh axis."""
+        used = {axis for part in self.spec(logical, shape) if part for axis in _axes_of(part)}
+        if "model" in used or self.mesh_axes("seq"):
+            return ()
+        return tuple(axis for axis in ("expert", "model") if axis not in used and self.mesh.shape[axis] > 1)
+
+    def cache_spec(self, logical: Logical, shape: Sequence[int], chunk: int) -> PartitionSpec:
+        """The PartitionSpec of a cache with these logical axes (slot axis `seq`) and `shape`: as `spec`, with its slots
+        split over `slot_axes` when each of the M shards then holds whole `chunk`s of slots (a long cache, attended
+        chunk by chunk): M devices hold 1/M of it each instead of all of it."""
+        parts = list(self.spec(logical, shape))
+        if self.slot_shards(logical, shape, chunk) > 1:
+            axes = self.slot_axes(logical, shape)
+            parts[list(logical).index("seq")] = axes[0] if len(axes) == 1 else axes
+        return PartitionSpec(*parts)
+
+    def slot_shards(self, logical: Logical, shape: Sequence[int], chunk: int) -> int:
+        """M: how many shards `cache_spec` splits the slots of such a cache into (1: not split)."""
+        shards = math.prod(self.mesh.shape[axis] for axis in self.slot_axes(logical, shape))
+        return shards if shape[list(logical).index("seq")] % (shards * chunk) == 0 else 1
+
     def sharding(self, logical: Logical, shape: Sequence[int] | None = None) -> NamedSharding:
         """The NamedSharding on this mesh for a tensor with these logical axes (see `spec`)."""
         return NamedSharding(self.mesh, self.spec(logical, shape))
@@ -230,6 +274,26 @@ def constrain(x: jax.Array, logical: Logical) -> jax.Array:
     if rules is None:
         return x
     return jax.lax.with_sharding_constraint(x, rules.sharding(logical, x.shape))
+
+
+def slot_shards(logical: Logical, shape: Sequence[int], chunk: int) -> int:
+    """M: how many shards the active rules split the slots of a cache with these logical axes and `shape` into
+    (`ShardingRules.cache_spec`); 1 without rules."""
+    rules = _ACTIVE.get()
+    return 1 if rules is None else rules.slot_shards(logical, shape, chunk)
+
+
+def constrain_cache(x: jax.Array, logical: Logical, chunk: int) -> jax.Array:
+    """A cache `x` pinned to `ShardingRules.cache_spec` under the active rules; `x` itself without rules."""
+    rules = _ACTIVE.get()
+    if rules is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(rules.mesh, rules.cache_spec(logical, x.shape, chunk)))
+
+
+def _axes_of(part: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
 
 
 def _block_key(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -294,3 +358,8 @@ def shard_model(model, mesh: Mesh | ShardingRules):
     sharded = nnx.merge(graphdef, state)
     sharded.sharding_rules = rules
     return sharded
+
+
+def active_rules() -> ShardingRules | None:
+    """The rules `activate` made current (None outside a sharded model's tracing)."""
+    return _ACTIVE.get()

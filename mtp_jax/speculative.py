@@ -40,7 +40,7 @@ from mtp_jax.adaptive import (
     probe_cycle,
     step_param_bytes,
 )
-from mtp_jax.cache import KVCache
+from mtp_jax.cache import KVCache, long_cache_shards
 from mtp_jax.config import DecodeConfig
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count
 from mtp_jax.models.causal_lm import CausalLM
@@ -415,14 +415,15 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
     )
 
 
-def cache_slots(prompt_width: int, cfg: DecodeConfig) -> int:
+def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
     """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16; when prompt and
     budget pass one attention chunk, to whole chunks, so that attention reads only the chunks holding visible slots
-    (mtp_jax.models.cache_attention). That choice ignores k, so plain and MTP decoding of the same prompts and budget
-    take the same attention path (chunks a row cannot see yet are skipped, so extra ones change nothing)."""
+    (mtp_jax.models.cache_attention), and to whole chunks on each of `shards` (M) shards of a cache split over its
+    slots (mtp_jax.cache.long_cache_shards). That choice ignores k, so plain and MTP decoding of the same prompts and
+    budget take the same attention path (chunks a row cannot see yet are skipped, so extra ones change nothing)."""
     needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
     if prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK:
-        return -(-needed // ATTENTION_CHUNK) * ATTENTION_CHUNK
+        return -(-needed // (shards * ATTENTION_CHUNK)) * shards * ATTENTION_CHUNK
     slots = -(-needed // 16) * 16
     return slots + 16 if chunk_count(slots) else slots  # a long verify block reached whole chunks: stay one-pass
 
@@ -431,14 +432,8 @@ def cache_slots(prompt_width: int, cfg: DecodeConfig) -> int:
 def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):
     model: CausalLM = nnx.merge(graphdef, params)
     with activate(model.sharding_rules):  # a model on a mesh: rows over `data`, heads and vocab over `model`
-        batch, prompt_width = prompt_ids.shape
-        prompt_ids, prompt_lens = constrain(prompt_ids, ("batch", "seq")), constrain(prompt_lens, ("batch",))
-        eos = jnp.asarray(model.config.eos_token_ids if cfg.stop_on_eos else (), jnp.int32).reshape(-1)
-        sampling = None if greedy else sampling
-        row_keys = jax.random.split(key, batch) if key.ndim == 0 else key
-        slots = cache_slots(prompt_width, cfg)
-        state = _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots)
-        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), _round_body(model, cfg, sampling, eos), state)
+        state = start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy)
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_step(model, cfg, sampling, greedy), state)
         valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
         return GenerateOutput(
             tokens=constrain(jnp.where(valid, state.tokens[:, : cfg.max_new_tokens], 0), ("batch", None)),
@@ -510,3 +505,31 @@ class CompiledGenerate:
             return None
         held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
         return int(held - stats.alias_size_in_bytes)
+
+
+def eos_ids(model: CausalLM, cfg: DecodeConfig) -> jax.Array:
+    """[E] the ids that end a row (none when `cfg.stop_on_eos` is off)."""
+    return jnp.asarray(model.config.eos_token_ids if cfg.stop_on_eos else (), jnp.int32).reshape(-1)
+
+
+def start_state(model: CausalLM, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool) -> LoopState:
+    """Traced inside jit, with the model's rules active: the loop state after the prefill, as `generate` starts its
+    rounds (prompt_ids [B, P], prompt_lens [B])."""
+    batch, prompt_width = prompt_ids.shape
+    prompt_ids, prompt_lens = constrain(prompt_ids, ("batch", "seq")), constrain(prompt_lens, ("batch",))
+    row_keys = jax.random.split(key, batch) if key.ndim == 0 else key
+    sampling = None if greedy else sampling
+    slots = cache_slots(prompt_width, cfg, long_cache_shards(model.config, model.sharding_rules))
+    return _prefill(model, cfg, sampling, eos_ids(model, cfg), prompt_ids, prompt_lens, row_keys, slots)
+
+
+def round_step(model: CausalLM, cfg: DecodeConfig, sampling, greedy: bool):
+    """Traced inside jit, with the model's rules active: the loop body `generate` runs (state -> state)."""
+    return _round_body(model, cfg, None if greedy else sampling, eos_ids(model, cfg))
+
+
+def lower_generate(model: CausalLM, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):
+    """`generate`'s program lowered for these (possibly abstract, sharded) arguments, for inspection or compiling
+    for another topology."""
+    graphdef, params = nnx.split(model)
+    return _generate.lower(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg=cfg, greedy=greedy)

@@ -92,3 +92,19 @@ def test_plain_and_mtp_caches_take_the_same_attention_path():
                 assert slots >= prompt + budget + k + 1 and slots % 16 == 0
                 assert bool(chunk_count(slots)) == bool(chunk_count(plain)), (prompt, budget, k)
             assert bool(chunk_count(plain)) == (prompt + budget + 1 > ATTENTION_CHUNK)
+
+
+def test_caches_split_over_slots_hold_whole_chunks_per_shard():
+    """A long cache split over M shards of slots (mtp_jax.cache.long_cache_shards) is whole chunks on every shard, for
+    plain and MTP decoding alike, and no larger than that needs; a short one stays one-pass, as on one device."""
+    for shards in (2, 4, 8):
+        for prompt in (1, 48, 250, 300):
+            for budget in (6, 250, 1000):
+                for k in (0, 3):
+                    cfg = DecodeConfig(num_draft=k, max_new_tokens=budget)
+                    slots, needed = cache_slots(prompt, cfg, shards), prompt + budget + k + 1
+                    assert needed <= slots < needed + shards * ATTENTION_CHUNK
+                    if prompt + budget + 1 > ATTENTION_CHUNK:
+                        assert slots % (shards * ATTENTION_CHUNK) == 0 and chunk_count(slots) >= shards
+                    else:
+                        assert slots == cache_slots(prompt, cfg) and not chunk_count(slots)

@@ -7,7 +7,15 @@ attention runs over it chunk by chunk with an online softmax (`attend_in_chunks`
 attention in mla.py) and skips every chunk past the slots any row can see: its cost follows the longest row's length,
 not the cache's size. Other caches take one pass over all slots.
 
-Einsum letters: those of layers.py; C slots of one chunk, U the block's own positions.
+On a mesh, a long cache whose head axis cannot take `model` (fewer kv heads than `model` shards, or MLA's latents with
+no head axis) is split over its slots instead (mtp_jax.sharding.ShardingRules.cache_spec): M shards of S/M slots,
+whole chunks each. The chunked pass views it as [B, M, S/M, ...] and takes local chunk j of every shard at once, as
+M * B rows (row b of shard m at m * B + b: the per-row arithmetic is the unsharded one), each keeping its own running
+softmax, and merges the M partial softmaxes once at the end: the only reduction across shards, over [B, T, heads, ...].
+Queries are whole on every device for it; the output goes back to heads over `model`.
+
+Einsum letters: those of layers.py; C slots of one chunk, U the block's own positions. In a chunk's einsums B counts
+the M * B rows of every shard.
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from mtp_jax.models import loops
+from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
 
@@ -32,18 +43,41 @@ class LayerSlots:
     def shape(self) -> tuple[int, ...]:
         return self.stacked.shape[1:]
 
-    def read(self, first, size: int) -> jax.Array:
-        """Slots first .. first + size - 1: [B, size, ...]."""
-        start = (self.layer, 0, first) + (0,) * (self.stacked.ndim - 3)
-        return jax.lax.dynamic_slice(self.stacked, start, (1, self.shape[0], size, *self.shape[2:]))[0]
+    def read(self) -> jax.Array:
+        """Every slot: [B, S, ...]."""
+        start = (self.layer,) + (0,) * (self.stacked.ndim - 1)
+        return jax.lax.dynamic_slice(self.stacked, start, (1, *self.shape))[0]
+
+    def read_chunks(self, first, size: int, shards: int) -> jax.Array:
+        """Slots first .. first + size - 1 of each of `shards` (M) equal runs of slots: [M * B, size, ...]."""
+        stacked = _by_shard(self.stacked, 2, shards)  # [L, B, M, S/M, ...]
+        start = (self.layer, 0, 0, first) + (0,) * (stacked.ndim - 4)
+        chunks = jax.lax.dynamic_slice(stacked, start, (1, *stacked.shape[1:3], size, *stacked.shape[4:]))[0]
+        return _shard_major(chunks)
 
 
-def read_slots(past: jax.Array | LayerSlots, first=0, size: int | None = None) -> jax.Array:
-    """Slots first .. first + size - 1 (default: all) of one layer's cache, given as [B, S, ...] or LayerSlots."""
-    size = past.shape[1] if size is None else size
+def read_slots(past: jax.Array | LayerSlots) -> jax.Array:
+    """Every slot of one layer's cache, given as [B, S, ...] or LayerSlots: [B, S, ...]."""
+    return past.read() if isinstance(past, LayerSlots) else past
+
+
+def read_chunks(past: jax.Array | LayerSlots, first, size: int, shards: int) -> jax.Array:
+    """Slots first .. first + size - 1 of each of the `shards` (M) equal runs of slots of one layer's cache (given as
+    [B, S, ...] or LayerSlots): [M * B, size, ...], run m of row b at row m * B + b. The slice is taken within each
+    run, never across the runs, so a cache split over its slots into those runs is read where it lies."""
     if isinstance(past, LayerSlots):
-        return past.read(first, size)
-    return past if size == past.shape[1] else jax.lax.dynamic_slice_in_dim(past, first, size, axis=1)
+        return past.read_chunks(first, size, shards)
+    return _shard_major(jax.lax.dynamic_slice_in_dim(_by_shard(past, 1, shards), first, size, axis=2))
+
+
+def _by_shard(x: jax.Array, axis: int, shards: int) -> jax.Array:
+    """x with its slot axis `axis` (S) viewed as [M, S/M]."""
+    return x.reshape((*x.shape[:axis], shards, x.shape[axis] // shards, *x.shape[axis + 1 :]))
+
+
+def _shard_major(x: jax.Array) -> jax.Array:
+    """[B, M, ...] -> [M * B, ...]: the shard axis leads, so rows split over the shards like the slots did."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
 def chunk_count(slots: int) -> int:
@@ -52,13 +86,15 @@ def chunk_count(slots: int) -> int:
 
 
 def visible_slots(slots: int, positions: jax.Array, visible_from: jax.Array | None, first: int | jax.Array = 0):
-    """[B, slots] bool: which of the cache slots first .. first + slots - 1 a block at `positions` [B, T] attends to:
-    those before it (later ones are stale: rollback is by length), and none before `visible_from` [B] when given (an
-    MTP cache that skipped positions)."""
-    slot = first + jnp.arange(slots)[None, :]
-    visible = slot < positions[:, :1]
+    """[B, ..., slots] bool: which of the cache slots first .. first + slots - 1 (`first`: an int, or an array [...]
+    of starts, one run of slots each) a block at `positions` [B, T] attends to: those before it (later ones are
+    stale: rollback is by length), and none before `visible_from` [B] when given (an MTP cache that skipped
+    positions)."""
+    slot = jnp.asarray(first)[..., None] + jnp.arange(slots)  # [..., slots]
+    row = (-1,) + (1,) * slot.ndim  # [B] -> [B, 1, ..., 1]
+    visible = slot < positions[:, 0].reshape(row)
     if visible_from is not None:
-        visible &= slot >= visible_from[:, None]
+        visible &= slot >= visible_from.reshape(row)
     return visible
 
 
@@ -89,25 +125,32 @@ def grouped_attention(
     visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
 ) -> jax.Array:
     """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
-    block itself (one softmax over both, float32); chunk by chunk over a cache of whole chunks (`chunk_count`)."""
+    block itself (one softmax over both, float32); chunk by chunk over a cache of whole chunks (`chunk_count`),
+    shard by shard over one split over its slots."""
     b, t, n, h = q.shape
+    shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
+    if shards > 1:
+        q = constrain(q, WHOLE_HEADS)
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
     f32 = jnp.float32
     block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
     if chunk_count(past_k.shape[1]):
+        q_rows = jnp.tile(q, (shards, 1, 1, 1, 1))  # [M * B, T, K, G, H]: each row's queries beside each shard
 
         def attend_chunk(first):
-            keys = read_slots(past_k, first, ATTENTION_CHUNK).astype(q.dtype)  # [B, C, K, H]
-            values = read_slots(past_v, first, ATTENTION_CHUNK).astype(q.dtype)  # [B, C, K, H]
-            scores = jnp.einsum("BTKGH,BCKH->BKGTC", q, keys, preferred_element_type=f32)
+            keys = read_chunks(past_k, first, ATTENTION_CHUNK, shards).astype(q.dtype)  # [M * B, C, K, H]
+            values = read_chunks(past_v, first, ATTENTION_CHUNK, shards).astype(q.dtype)  # [M * B, C, K, H]
+            scores = jnp.einsum("BTKGH,BCKH->BKGTC", q_rows, keys, preferred_element_type=f32)
             return scores, lambda probs: jnp.einsum("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values,
                                                     preferred_element_type=f32)  # fmt: skip
 
         def block_output(probs):  # [B, K, G, T, U] -> [B, T, K, G, H]
             return jnp.einsum("BKGTU,BUKH->BTKGH", probs.astype(q.dtype), v, preferred_element_type=f32)
 
-        out = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, past_k.shape[1])
-        return out.astype(q.dtype).reshape(b, t, n, h)
+        out = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, past_k.shape[1],
+                               shards)  # fmt: skip
+        out = out.astype(q.dtype).reshape(b, t, n, h)
+        return constrain(out, HEADS) if shards > 1 else out
     past_k, past_v = read_slots(past_k).astype(q.dtype), read_slots(past_v).astype(q.dtype)
     past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k, preferred_element_type=f32)
     past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
@@ -116,35 +159,53 @@ def grouped_attention(
     return out.reshape(b, t, n, h)
 
 
-def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, slots: int) -> jax.Array:
+def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, slots: int, shards: int = 1):
     """One softmax over the visible slots of a cache of whole chunks and, causally, over the block, as a running
     maximum m, normaliser (total) and unnormalised float32 output. Chunk by chunk, each skipped by `lax.cond` when it
     starts at or past every row's first query position, then the block. The loop's trip count is static, so the pass
-    stays reverse-differentiable.
+    stays reverse-differentiable. With `shards` (M) equal runs of slots (a cache split over its slots), step j takes
+    chunk j of every run as M * B rows (run m of row b at m * B + b), each with its own running softmax, and the M
+    of each row merge after the loop, the one reduction across shards (rows fill run 0 first, so no run needs a chunk
+    that run 0 does not).
 
-    attend_chunk(first) -> (float32 scores [B, ..., T, C] against slots first .. first + C - 1, and a function of
-    their probabilities giving float32 outputs [B, T, ..., W]); block_scores [B, ..., T, U] (float32);
-    block_output(probs [B, ..., T, U]) -> [B, T, ..., W]. Returns the float32 output [B, T, ..., W]."""
+    attend_chunk(first) -> (float32 scores [M * B, ..., T, C] against slots first .. first + C - 1 of each run, and a
+    function of their probabilities giving float32 outputs [M * B, T, ..., W]); block_scores [B, ..., T, U]
+    (float32); block_output(probs [B, ..., T, U]) -> [B, T, ..., W]. Returns the float32 output [B, T, ..., W]."""
     used = jnp.max(positions[:, 0])  # no row sees a slot at or past it
     heads = (1,) * (block_scores.ndim - 3)  # the axes between B and T
+    run_starts = jnp.arange(shards) * (slots // shards)  # [M] each run's first slot
 
     def chunk(i, carry):
         def attend(carry):
             m, total, acc = carry
             first = i * ATTENTION_CHUNK
             scores, output_of = attend_chunk(first)
-            visible = visible_slots(ATTENTION_CHUNK, positions, visible_from, first)  # [B, C]
-            scores = jnp.where(visible.reshape(visible.shape[:1] + heads + (1,) + visible.shape[1:]), scores, -jnp.inf)
-            m, rescale, probs = _running_max(m, scores)
+            visible = visible_slots(ATTENTION_CHUNK, positions, visible_from, run_starts + first)  # [B, M, C]
+            visible = _shard_major(visible).reshape(-1, *heads, 1, ATTENTION_CHUNK)  # [M * B, 1, ..., 1, C]
+            m, rescale, probs = _running_max(m, jnp.where(visible, scores, -jnp.inf))
             return m, total * rescale + jnp.sum(probs, axis=-1), acc * _per_query(rescale) + output_of(probs)
 
         return jax.lax.cond(i * ATTENTION_CHUNK < used, attend, lambda carry: carry, carry)
 
-    stats_shape = block_scores.shape[:-1]  # [B, ..., T]
-    probe = jax.eval_shape(block_output, jax.ShapeDtypeStruct(block_scores.shape, jnp.float32))
+    rows = block_scores.shape[0] * shards
+    probe = jax.eval_shape(block_output, jax.ShapeDtypeStruct(block_scores.shape, jnp.float32))  # [B, T, ..., W]
+    stats_shape, acc_shape = (rows, *block_scores.shape[1:-1]), (rows, *probe.shape[1:])  # [M * B, ..., T] and W
     f32 = jnp.float32
-    start = (jnp.full(stats_shape, -jnp.inf, f32), jnp.zeros(stats_shape, f32), jnp.zeros(probe.shape, f32))
-    m, total, acc = jax.lax.fori_loop(0, chunk_count(slots), chunk, start)
+    start = (jnp.full(stats_shape, -jnp.inf, f32), jnp.zeros(stats_shape, f32), jnp.zeros(acc_shape, f32))
+    m, total, acc = loops.fori_loop(0, chunk_count(slots) // shards, chunk, start)
+    if shards > 1:  # skipped where no chunk was read (a prefill)
+
+        def merge(runs):  # each row's M runs under their common maximum
+            m, total, acc = (x.reshape(shards, -1, *x.shape[1:]) for x in runs)  # [M, B, ...]
+            top = jnp.max(m, axis=0)  # [B, ..., T]
+            rescale = jnp.exp(m - _finite(top))  # [M, B, ..., T]
+            return top, jnp.sum(total * rescale, axis=0), jnp.sum(acc * _per_query(rescale, 2), axis=0)
+
+        def unseen(runs):  # no chunk was read: the maximum -inf, nothing summed
+            b, fills = block_scores.shape[0], (-jnp.inf, 0, 0)
+            return tuple(jnp.full((b, *x.shape[1:]), fill, f32) for x, fill in zip(runs, fills, strict=True))
+
+        m, total, acc = jax.lax.cond(used > 0, merge, unseen, (m, total, acc))
     t = block_scores.shape[-1]
     block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
     m, rescale, probs = _running_max(m, block_scores)  # each query sees itself: m is finite from here on
@@ -157,10 +218,16 @@ def _running_max(m: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax.Array,
     """Fold scores [..., X] into the running maximum m [...]: (new maximum, factor for what was summed under the
     old one, exp(scores - new maximum)). Rows with nothing visible yet stay at -inf and add zeros."""
     new = jnp.maximum(m, jnp.max(scores, axis=-1))
-    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    safe = _finite(new)
     return new, jnp.exp(m - safe), jnp.exp(scores - safe[..., None])
 
 
-def _per_query(x: jax.Array) -> jax.Array:
-    """[B, ..., T] -> [B, T, ..., 1], to scale outputs laid out [B, T, ..., W]."""
-    return jnp.moveaxis(x, -1, 1)[..., None]
+def _finite(m: jax.Array) -> jax.Array:
+    """A running maximum with -inf (nothing seen yet) as 0, to subtract from scores."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _per_query(x: jax.Array, at: int = 1) -> jax.Array:
+    """[B, ..., T] -> [B, T, ..., 1] (T moved to axis `at`), to scale outputs laid out [B, T, ..., W]; with `at` 2,
+    [M, B, ..., T] -> [M, B, T, ..., 1] for outputs [M, B, T, ..., W]."""
+    return jnp.moveaxis(x, -1, at)[..., None]

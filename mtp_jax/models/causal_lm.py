@@ -18,6 +18,7 @@ from flax import nnx
 
 from mtp_jax.cache import GroupCache, attention_cache, write_slots
 from mtp_jax.config import LayerKind, ModelConfig, Segment
+from mtp_jax.models import loops
 from mtp_jax.models.cache_attention import LayerSlots
 from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.hybrid_stack import MLP_BLOCKS, GroupStack
@@ -64,7 +65,7 @@ class LayerStack(nnx.Module):
             x, *new = nnx.merge(graphdef, layer_params)(x, positions, rope, *layer_past, visible_from=visible_from)
             return x, tuple(new)
 
-        x, new = jax.lax.scan(run, x, (stacked, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
+        x, new = loops.scan(run, x, (stacked, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
         # One scatter per cache array after the stack: slot (row, position) of every layer gets this block's entry.
         updated = [write_slots(old, entry, positions) for old, entry in zip(past, new, strict=True)]
         return x, jax.tree.unflatten(jax.tree.structure(cache), updated).constrained()

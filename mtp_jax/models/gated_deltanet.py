@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtp_jax.config import GatedDeltaNetConfig
+from mtp_jax.models import loops
 from mtp_jax.models.layers import _init
 from mtp_jax.models.norms import GatedRMSNorm
 
@@ -113,7 +114,7 @@ def recurrent_delta_rule(
         return s, (jnp.einsum("BNHY,BNH->BNY", s, q_t), s)
 
     time_major = [jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)]
-    _, (out, states) = jax.lax.scan(step, state, time_major)
+    _, (out, states) = loops.scan(step, state, time_major)
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
 
 

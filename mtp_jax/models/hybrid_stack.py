@@ -16,6 +16,7 @@ from flax import nnx
 
 from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
 from mtp_jax.config import LayerKind, ModelConfig
+from mtp_jax.models import loops
 from mtp_jax.models.cache_attention import LayerSlots
 from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
@@ -117,7 +118,7 @@ class GroupStack(nnx.Module):
             return x, tuple(new)
 
         scanned = (stacked, states, jnp.arange(self.repeats))
-        x, new = jax.lax.scan(run, x, scanned)  # DeltaNet: states [R, B, ...]; attention: [R, B, T, K, H]
+        x, new = loops.scan(run, x, scanned)  # DeltaNet: states [R, B, ...]; attention: [R, B, T, K, H]
         members = []
         for kind, old, entry in zip(self.kinds, past, new, strict=True):
             if kind.attention == "deltanet":

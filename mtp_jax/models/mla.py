@@ -7,10 +7,12 @@ attend, picked by the query block's length:
             prompt);
   absorbed: fold the key up-projection into the queries and the value up-projection into the output, and attend
             over the latents directly (cheap for short blocks: decode and verify steps never expand the cache).
+A cache split over its slots (cache_attention.py) is always attended absorbed: expanding its chunks would need every
+head's up-projection beside every shard of the slots.
 
 Einsum letters (with those of layers.py): Q query LoRA rank, R kv latent rank, C cached dims (R + P), P rotary
 dims per head, H non-rotary query/key dims per head, W value dims per head, J = H + P, I = H + W, U keys within
-the new block.
+the new block (B counting the M * B rows of every shard in a chunk's einsums: cache_attention.py).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from mtp_jax.models.cache_attention import (
     attend_in_chunks,
     chunk_count,
     past_and_block_probs,
+    read_chunks,
     read_slots,
 )
 from mtp_jax.models.layers import RMSNorm, _init, apply_rope
+from mtp_jax.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
 
 
 def yarn_softmax_mscale(rope: RopeConfig) -> float:
@@ -92,20 +96,22 @@ class MultiHeadLatentAttention(nnx.Module):
         absorb: bool | None = None,
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
     ) -> tuple[jax.Array, jax.Array]:
-        """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way."""
+        """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way (absorbed over a
+        cache split over its slots)."""
         q = self.queries(x)
         q_nope = q[..., : self.nope_dim]  # [B, T, N, H]
         q_rope = apply_rope(q[..., self.nope_dim :], *rope, interleaved=self.interleaved)  # [B, T, N, P]
         block = self.latents(x, rope)  # [B, T, C]
+        shards = slot_shards(LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
         if absorb is None:
-            absorb = self.absorbs(x.shape[1])
+            absorb = shards > 1 or self.absorbs(x.shape[1])
         attend = self._absorbed if absorb else self._expanded
-        out = attend(q_nope * self.scale, q_rope * self.scale, past, block, positions, visible_from, x.dtype)
+        out = attend(q_nope * self.scale, q_rope * self.scale, past, block, positions, visible_from, x.dtype, shards)
         return jnp.einsum("BTNW,NWD->BTD", out, self.o_proj[...]), block
 
-    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype):
+    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int):
         """Per-head keys and values from every latent, then ordinary attention (chunk by chunk over a cache of whole
-        chunks, expanding one chunk at a time)."""
+        chunks, expanding one chunk of each of the `shards` runs of slots at a time)."""
         kv_b = self.kv_b_proj[...]
         f32 = jnp.float32
 
@@ -113,7 +119,7 @@ class MultiHeadLatentAttention(nnx.Module):
             kv = jnp.einsum("BSR,RNI->BSNI", latents[..., : self.latent_rank], kv_b)
             return kv[..., : self.nope_dim], kv[..., self.nope_dim :], latents[..., self.latent_rank :]
 
-        def scores_and_values(latents):  # [B, S, C] -> float32 scores [B, N, T, S], values [B, S, N, W]
+        def scores_and_values(latents, q_nope=q_nope, q_rope=q_rope):  # [B, S, C] -> float32 [B, N, T, S], [B, S, N, W]
             keys, values, rope_keys = keys_values(latents.astype(dtype))
             scores = jnp.einsum("BTNH,BSNH->BNTS", q_nope, keys, preferred_element_type=f32)
             return scores + jnp.einsum("BTNP,BSP->BNTS", q_rope, rope_keys, preferred_element_type=f32), values
@@ -123,34 +129,38 @@ class MultiHeadLatentAttention(nnx.Module):
 
         block_scores, block_v = scores_and_values(block)
         if chunk_count(past.shape[1]):
+            rows = jnp.tile(q_nope, (shards, 1, 1, 1)), jnp.tile(q_rope, (shards, 1, 1, 1))  # [M * B, T, N, .]
 
-            def attend_chunk(first):
-                scores, values = scores_and_values(read_slots(past, first, ATTENTION_CHUNK))
+            def attend_chunk(first):  # a chunk of each shard: [M * B, S, C], S its slots
+                scores, values = scores_and_values(read_chunks(past, first, ATTENTION_CHUNK, shards), *rows)
                 return scores, lambda probs: output(probs, values)
 
             out = attend_in_chunks(attend_chunk, block_scores, lambda probs: output(probs, block_v), positions,
-                                   visible_from, past.shape[1])  # fmt: skip
+                                   visible_from, past.shape[1], shards)  # fmt: skip
             return out.astype(dtype)
         past_scores, past_v = scores_and_values(read_slots(past))
         past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
         out = jnp.einsum("BNTS,BSNW->BTNW", past_probs.astype(past_v.dtype), past_v)
         return out + jnp.einsum("BNTU,BUNW->BTNW", block_probs.astype(block_v.dtype), block_v)
 
-    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from, dtype):
+    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int):
         """Queries moved into latent space (q_nope . W_uk), attention over latents (chunk by chunk over a cache of
-        whole chunks), W_uv applied to the result."""
+        whole chunks, every head beside each of the `shards` runs of slots), W_uv applied to the result."""
         kv_b = self.kv_b_proj[...]
         w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
         f32 = jnp.float32
         r = self.latent_rank
         q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, w_uk)
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, C]: matches a cached row [latent, rope]
+        if shards > 1:
+            query = constrain(query, WHOLE_HEADS)
         block_scores = jnp.einsum("BTNC,BUC->BNTU", query, block, preferred_element_type=f32)
         if chunk_count(past.shape[1]):
+            query_rows = jnp.tile(query, (shards, 1, 1, 1))  # [M * B, T, N, C]
 
             def attend_chunk(first):
-                latents = read_slots(past, first, ATTENTION_CHUNK).astype(dtype)  # [B, S, C], S: one chunk's slots
-                scores = jnp.einsum("BTNC,BSC->BNTS", query, latents, preferred_element_type=f32)
+                latents = read_chunks(past, first, ATTENTION_CHUNK, shards).astype(dtype)  # [M * B, S, C], S: a chunk
+                scores = jnp.einsum("BTNC,BSC->BNTS", query_rows, latents, preferred_element_type=f32)
                 return scores, lambda probs: jnp.einsum("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r],
                                                         preferred_element_type=f32)  # fmt: skip
 
@@ -160,7 +170,9 @@ class MultiHeadLatentAttention(nnx.Module):
                 )
 
             out_latent = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from,
-                                          past.shape[1]).astype(dtype)  # fmt: skip
+                                          past.shape[1], shards).astype(dtype)  # fmt: skip
+            if shards > 1:
+                out_latent = constrain(out_latent, HEADS)
             return jnp.einsum("BTNR,RNW->BTNW", out_latent, w_uv)
         past = read_slots(past).astype(dtype)
         past_scores = jnp.einsum("BTNC,BSC->BNTS", query, past, preferred_element_type=f32)

@@ -6,6 +6,12 @@ routed to them: the (token, pick) rows are sorted by expert and each projection 
 (`jax.lax.ragged_dot`, group sizes = rows per expert); the outputs are put back in token order and summed with
 their routing weights. Shared experts (a plain SwiGLU) see every token.
 
+On a mesh whose rules split the expert weights (experts over `expert`, their width over `model`), the weights stay
+where they live and the tokens go to them: inside `jax.shard_map` every expert shard sees all the rows of its data
+shard (decode batches are small), runs the same grouped matmuls over the rows routed to its own experts (the others
+sorted last, outside every group, and zeroed), and one `psum` over the expert and model axes adds the partial
+outputs [M, D]. Left to XLA's partitioner, `ragged_dot` over expert-sharded weights gathers the weights instead.
+
 Einsum letters (with those of layers.py): M tokens (B * T flattened), E experts, O picks per token.
 """
 
@@ -15,8 +21,61 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers import SwiGLU, _init
+
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # [E, D, F], [E, D, F], [E, F, D]
+
+
+def routed_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    first: jax.Array | int = 0,
+    down_dtype=None,
+) -> jax.Array:
+    """Routed outputs [M, D] float32 of x [M, D] through the experts gate, up [E, D, F] and down [E, F, D], which
+    hold the global expert ids first .. first + E - 1: a (token, pick) row picking another expert contributes zero.
+
+    weights, experts [M, O]: routing weights and global expert ids. `down_dtype`: the down projection's output type
+    (None: x's; float32 where the F of these experts is a slice and the caller adds the partial outputs).
+    """
+    picks, local = experts.shape[1], gate.shape[0]
+    ids = experts - first  # [M, O] local expert ids
+    mine = (ids >= 0) & (ids < local)
+    flat = jnp.where(mine, ids, local).reshape(-1)  # [M * O]; other shards' rows get id E: sorted last, no group
+    order = jnp.argsort(flat)  # rows sorted by expert (stable)
+    rows = jnp.take(x, order // picks, axis=0)  # [M * O, D]
+    sizes = jnp.bincount(flat, length=local).astype(jnp.int32)  # [E] rows per local expert (id E not counted)
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)  # [M * O, F]
+    out = jax.lax.ragged_dot(hidden, down, sizes, preferred_element_type=down_dtype)  # [M * O, D]
+    out = jnp.zeros_like(out).at[order].set(out).reshape(experts.shape + out.shape[-1:])  # [M, O, D]
+    out = jnp.where(mine[..., None], out, 0)  # rows past the groups: ragged_dot leaves them unspecified
+    return jnp.einsum("MOD,MO->MD", out.astype(jnp.float32), weights)
+
+
+def _mesh_axes(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+def _expert_parallel(rules: sharding.ShardingRules, params: tuple[jax.Array, ...], shape: tuple[int, ...]):
+    """How the expert weights `params` lie under `rules`, for hidden states of `shape` [B, T, D]: (rows' spec
+    [B, T, ...], the weights' stored specs, the mesh axes splitting E, every mesh axis splitting E or F); None where
+    nothing splits E or F, or where a split would need more than one psum (D split, or rows and experts sharing a
+    mesh axis): XLA's partitioner then keeps the values right by gathering the weights."""
+    named = zip(EXPERT_WEIGHTS, params, strict=True)
+    specs = tuple(rules.spec(sharding.param_axes((name,), p.ndim), p.shape) for name, p in named)
+    expert_axes, embed, width = (_mesh_axes(part) for part in specs[0])  # gate [E, D, F]
+    rows = rules.spec(("batch", None, None), shape)
+    split = tuple(a for a in rules.mesh.axis_names if a in expert_axes + width)
+    if all(rules.mesh.shape[a] == 1 for a in split) or embed or set(_mesh_axes(rows[0])) & set(split):
+        return None
+    return rows, specs, expert_axes, split
 
 
 class MoE(nnx.Module):
@@ -54,24 +113,33 @@ class MoE(nnx.Module):
         return weights * r.routed_scaling_factor, experts.astype(jnp.int32)
 
     def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """Routed outputs [M, D]: each (token, pick) row goes through its own expert only."""
-        picks = experts.shape[1]
-        flat = experts.reshape(-1)  # [M * O]
-        order = jnp.argsort(flat)  # rows sorted by expert (stable)
-        rows = jnp.take(x, order // picks, axis=0)  # [M * O, D]
-        sizes = jnp.bincount(flat, length=self.routing.num_experts).astype(jnp.int32)  # [E] rows per expert
-        gate = jax.lax.ragged_dot(rows, self.expert_gate[...], sizes)  # [M * O, F]
-        up = jax.lax.ragged_dot(rows, self.expert_up[...], sizes)
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.expert_down[...], sizes)  # [M * O, D]
-        out = jnp.zeros_like(out).at[order].set(out).reshape(experts.shape + out.shape[-1:])  # [M, O, D]
-        return jnp.einsum("MOD,MO->MD", out.astype(jnp.float32), weights).astype(x.dtype)
+        """Routed outputs [B, T, D] of x [B, T, D] (routing weights, expert ids [B, T, O]): each (token, pick) row
+        goes through its own expert only; where the rules split the expert weights, on the shards holding it."""
+        params = tuple(getattr(self, name)[...] for name in EXPERT_WEIGHTS)
+        rules = sharding.active_rules()
+        plan = None if rules is None else _expert_parallel(rules, params, x.shape)
+        if plan is None:
+            d, o = x.shape[-1], experts.shape[-1]
+            out = routed_experts(x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o), *params)
+            return out.astype(x.dtype).reshape(x.shape)
+        rows, specs, expert_axes, split = plan
+
+        def shard(x, weights, experts, gate, up, down):  # rows [b, T, ...] of one data shard; [E/ep, D, F/tp] experts
+            d, o = x.shape[-1], experts.shape[-1]
+            first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
+            flat = (x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o))
+            out = routed_experts(*flat, gate, up, down, first, down_dtype=jnp.float32)  # [b * T, D] partial sums
+            return jax.lax.psum(out, split).astype(x.dtype).reshape(x.shape)
+
+        run = jax.shard_map(shard, mesh=rules.mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows)
+        return run(x, weights, experts, *params)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
-        flat = x.reshape(-1, x.shape[-1])  # [M, D]
         with jax.named_scope("router"):
-            weights, experts = self.route(flat)
+            weights, experts = self.route(x.reshape(-1, x.shape[-1]))  # [M, O] each
         with jax.named_scope("routed_experts"):
-            out = self.experts(flat, weights, experts).reshape(x.shape)
+            picks = (*x.shape[:-1], -1)
+            out = self.experts(x, weights.reshape(picks), experts.reshape(picks))
         if self.shared is not None:
             with jax.named_scope("shared_experts"):
                 out = out + self.shared(x)

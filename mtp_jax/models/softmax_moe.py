@@ -2,7 +2,8 @@
 
 Routing: softmax over every expert's logit (float32), the top `experts_per_token` picked, their probabilities
 renormalised to sum 1 when `norm_topk_prob`. The experts run as in models/moe.py (rows sorted by expert, grouped
-matmuls); the shared expert, a SwiGLU of width `MoeConfig.shared_width`, is scaled per token by sigmoid(x . w_gate).
+matmuls; on a mesh splitting the expert weights, on the shards that hold them); the shared expert, a SwiGLU of
+width `MoeConfig.shared_width`, is scaled per token by sigmoid(x . w_gate).
 
 Einsum letters: those of layers.py and moe.py (M tokens, E experts, O picks per token).
 """
