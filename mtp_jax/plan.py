@@ -1,0 +1,290 @@
+"""python -m mtp_jax.plan: compile the decode loop for a device topology and project it (nothing runs there).
+
+    python -m mtp_jax.plan --random-shape deepseek-v3 --topology v5p:4x4x4 --mesh data=1,model=4,expert=16
+    python -m mtp_jax.plan --model path/to/config.json --topology v5e:2x4 --mesh auto --json plans.json
+
+Per device: parameter, cache and temporary bytes against its memory (fits or not), the collectives of one decode
+round, HBM bytes and flops of a plain step and of an MTP round, and projected tokens/s from the chip's public figures
+(mtp_jax/topology.py). Every number is the compiled program's, for the topology, projected: not measured on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from mtp_jax.decode import positive_int
+from mtp_jax.errors import UserError, run_cli
+
+# Per-position acceptance of the family's own MTP layer where its authors published one.
+PUBLISHED_ACCEPTANCE = {
+    "deepseek_v3": (0.85, "DeepSeek-V3 technical report: 85-90% acceptance of the second token"),
+}
+ASSUMED_ACCEPTANCE = (0.8, "assumed: no published per-position figure for this family")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected acceptance rates in [0, 1], got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m mtp_jax.plan", description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a checkpoint folder, or a folder or file holding only its config.json")
+    source.add_argument("--random-shape", help="a named shape (mtp_jax/shapes.py), e.g. deepseek-v3, qwen3.6-27b")
+    parser.add_argument("--topology", required=True, help="v5e:2x4, v5p:4x4x4, v6e:4x4, v4:2x2x2, or cpu:N")
+    parser.add_argument("--mesh", default="auto", help="data=D,model=M[,expert=E], or auto: every legal mesh, ranked")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=4096)
+    parser.add_argument("--num-draft", type=int, default=3, choices=range(0, 9), metavar="K")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--weights", choices=("auto", "bfloat16", "fp8", "int8"), default="auto")
+    parser.add_argument("--acceptance", type=float_list, help="per-position acceptance A1,A2,... (default: family's)")
+    parser.add_argument("--capacity-gib", type=float, help="memory per device (default: the chip's HBM)")
+    parser.add_argument("--json", help="write the plan(s) as JSON here")
+    parser.add_argument("--markdown", help="write the plan table as markdown here")
+    parser.add_argument("--dump-hlo", help="folder for plain_step.hlo.txt and mtp_round.hlo.txt (first mesh)")
+    return parser
+
+
+def model_config(args):
+    from mtp_jax import shapes
+
+    if args.random_shape:
+        return shapes.shape(args.random_shape), args.random_shape
+    return shapes.config_from_path(args.model), os.path.basename(os.path.normpath(args.model))
+
+
+def candidate_meshes(spec: str, target, cfg, batch: int) -> list[str]:
+    """The mesh specs to plan: the one given, or (auto) every data x expert x model split of the devices with the
+    batch divisible over data and an expert axis only for models with experts, that the torus can lay out."""
+    from mtp_jax import sharding
+
+    count = len(target.devices)
+    if spec != "auto":
+        try:
+            sizes = sharding.parse_mesh_spec(spec, count)
+            sharding.make_mesh(spec, target.devices)
+        except ValueError as e:
+            raise UserError(f"{e}; meshes that lay out here: {'; '.join(legal_sizes(target))}") from e
+        return [",".join(f"{a}={n}" for a, n in sizes.items())]
+    specs = []
+    for data in divisors(count):
+        for expert in divisors(count // data) if cfg.moe is not None else [1]:
+            spec = f"data={data},expert={expert},model={count // data // expert}"
+            if batch % data == 0 and _lays_out(spec, target):
+                specs.append(spec)
+    return specs
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _lays_out(spec: str, target) -> bool:
+    from mtp_jax import sharding
+
+    try:
+        sharding.make_mesh(spec, target.devices)
+    except ValueError:
+        return False
+    return True
+
+
+def legal_sizes(target) -> list[str]:
+    """The (data, expert, model) sizes over all the target's devices that its torus lays out."""
+    count = len(target.devices)
+    found = []
+    for data in divisors(count):
+        for expert in divisors(count // data):
+            spec = f"data={data},expert={expert},model={count // data // expert}"
+            if _lays_out(spec, target):
+                found.append(spec)
+    return found
+
+
+def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | None) -> dict:
+    """One mesh's plan (see the module doc)."""
+    import jax.numpy as jnp
+
+    from mtp_jax import planning, sharding
+
+    rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
+    dtype = jnp.dtype(args.dtype)
+    model = planning.abstract_model(cfg, dtype, rules)
+    k = work.num_draft if cfg.has_mtp else 0
+    work = dataclasses.replace(work, num_draft=k)
+    state = planning.start_state(model, work, k)
+    memory = planning.memory_report(model, work, target, state)
+    memory.pop("program", None)
+    found, hlo = planning.round_collectives(model, work, k, state)
+    plain_state = planning.start_state(model, work, 0) if k else state
+    if dump_hlo:
+        write_hlo(dump_hlo, "mtp_round" if k else "plain_step", hlo)
+        if k:
+            write_hlo(dump_hlo, "plain_step", planning.round_collectives(model, work, 0, plain_state)[1])
+    costs = {"plain_step": planning.round_cost(cfg, dtype, rules, work, 0, plain_state)}
+    if k:
+        costs["mtp_round"] = planning.round_cost(cfg, dtype, rules, work, k, state)
+    steps = {key: {**vars(cost), "projected_ms": planning.projected_ms(cost, target)} for key, cost in costs.items()}
+    acceptance, source = acceptance_for(args, cfg)
+    per_round = planning.tokens_per_round(acceptance, k)
+    plain_ms = steps["plain_step"]["projected_ms"]
+    return {
+        "topology": target.name,
+        "chip": target.chip.name,
+        "num_chips": target.num_chips,
+        "num_devices": len(target.devices),
+        "mesh": dict(rules.mesh.shape),
+        "model": name,
+        "params": sum(x.size for x in jax_leaves(model)),
+        "batch_size": work.batch,
+        "prompt_len": work.prompt_len,
+        "max_new_tokens": work.max_new_tokens,
+        "num_draft": k,
+        "weights": args.dtype if args.weights == "auto" else args.weights,
+        "compile_seconds": round(memory.pop("compile_seconds"), 1),
+        "fits": memory.pop("fits"),
+        "reason": memory.pop("reason", None),
+        "per_chip_bytes": memory,
+        "round_collectives": [collective_row(c, memory["params"]) for c in found],
+        **steps,
+        "acceptance": acceptance,
+        "acceptance_source": source,
+        "tokens_per_round": per_round,
+        "projected_tokens_per_second": {
+            "plain": 1000 * work.batch / plain_ms,
+            "mtp": 1000 * work.batch * per_round / steps["mtp_round"]["projected_ms"] if k else None,
+        },
+        "note": "compiled for the topology with abstract weights and projected from public chip figures; not run",
+    }
+
+
+def collective_row(c, params_bytes: int) -> dict:
+    """A collective as the plan lists it; `param_sized` when one execution moves more than PARAM_SIZED of the
+    device's parameter bytes (a round should move activations, never weights)."""
+    from mtp_jax.planning import PARAM_SIZED
+
+    moved = max(c.operand_bytes, c.result_bytes)
+    return {"kind": c.kind, "shape": c.shape, "operand_bytes": c.operand_bytes, "result_bytes": c.result_bytes,
+            "count": c.count, "param_sized": moved > PARAM_SIZED * params_bytes}  # fmt: skip
+
+
+def write_hlo(folder: str, name: str, hlo: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.hlo.txt"), "w") as f:
+        f.write(hlo)
+
+
+def jax_leaves(model):
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.split(model)[1])
+
+
+def acceptance_for(args, cfg) -> tuple[list[float], str]:
+    if args.acceptance:
+        return args.acceptance, "given (--acceptance)"
+    rate, source = PUBLISHED_ACCEPTANCE.get(cfg.family, ASSUMED_ACCEPTANCE)
+    return [rate], source
+
+
+def gib(n) -> str:
+    return "-" if n is None else f"{n / 1024**3:.2f}"
+
+
+def number(x, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(plans: list[dict]) -> str:
+    lines = [
+        "| model | topology | mesh | params GiB/chip | cache GiB/chip | other temp GiB/chip | total / capacity GiB "
+        "| fits | collectives per round (largest) | plain ms | MTP ms | plain tok/s | MTP tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in plans:
+        mem, tps = p["per_chip_bytes"], p["projected_tokens_per_second"]
+        mesh = ",".join(f"{a}={n}" for a, n in p["mesh"].items())
+        rounds = p["round_collectives"]
+        largest = f" ({rounds[0]['kind']} {rounds[0]['shape']} x{rounds[0]['count']})" if rounds else ""
+        cells = [
+            p["model"], p["topology"], mesh, gib(mem["params"]), gib(mem["caches"]), gib(mem["temporaries"]),
+            f"{gib(mem['total'])} / {gib(mem['capacity'])}", "yes" if p["fits"] else "no",
+            f"{sum(c['count'] for c in rounds)}{largest}", number(p["plain_step"]["projected_ms"], 2),
+            number(p.get("mtp_round", {}).get("projected_ms"), 2), number(tps["plain"]), number(tps["mtp"]),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from mtp_jax import planning, topology
+
+    if args.weights in ("fp8", "int8"):
+        raise UserError(f"--weights {args.weights}: quantized weight storage is not built yet (bfloat16 only)")
+    if args.capacity_gib is not None and args.capacity_gib <= 0:
+        raise UserError("--capacity-gib must be positive")
+    cfg, name = model_config(args)
+    target = topology.resolve(args.topology, args.capacity_gib)
+    work = planning.Workload(args.batch_size, args.prompt_len, args.max_new_tokens, args.num_draft, args.dtype)
+    if cfg.max_position_embeddings < work.prompt_len + work.max_new_tokens:
+        raise UserError(
+            f"prompt {work.prompt_len} + budget {work.max_new_tokens} passes the model's context "
+            f"({cfg.max_position_embeddings} positions)"
+        )
+    specs = candidate_meshes(args.mesh, target, cfg, work.batch)
+    if not specs:
+        raise UserError(f"no mesh over {len(target.devices)} devices splits a batch of {work.batch} rows")
+    plans = []
+    for i, spec in enumerate(specs):
+        print(f"planning {name} on {target.name}, mesh {spec} ({i + 1}/{len(specs)})", file=sys.stderr)
+        plans.append(plan_mesh(args, cfg, name, target, spec, work, args.dump_hlo if i == 0 else None))
+    plans.sort(key=lambda p: (not p["fits"], -(p["projected_tokens_per_second"]["mtp"] or
+                                                p["projected_tokens_per_second"]["plain"])))  # fmt: skip
+    table = markdown(plans)
+    print(table, end="")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plans if args.mesh == "auto" else plans[0], f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Before JAX starts a backend: plans compile only, so JAX itself stays on the host (no TPU runtime is claimed);
+    # cpu:N asks for N host devices; libtpu's compiler may be loaded by several processes at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+
+    from mtp_jax import topology
+
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_disable_most_optimizations", False)  # plan the program as it runs (tests turn them off)
+
+    topology.request_host_devices(args.topology)
+    return run_cli(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

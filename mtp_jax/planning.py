@@ -1,0 +1,248 @@
+"""Compile `generate` for a device topology with abstract parameters and read what the program holds and moves.
+
+Nothing runs on the topology: parameters are `jax.ShapeDtypeStruct`s in their shardings, and XLA compiles (for TPU
+through libtpu) the same jitted programs `generate` runs. From them:
+  - memory per device: parameters and caches (from their shardings), XLA's temporaries, the total against capacity;
+  - the collectives of one decode round (its HLO, each counted as often as it runs);
+  - HBM bytes and flops of one plain step and one MTP round: XLA's cost analysis of the round compiled by itself
+    with its loops unrolled (a loop body is otherwise counted once); layers cost the same, so the round is compiled
+    for the trunk cut to two repeats of each segment, and once more with one more repeat per segment, and the
+    difference extrapolated to the full depth.
+
+    plan = planning.plan(cfg, target, "data=1,model=8", Workload(batch=8, prompt_len=64, max_new_tokens=4096, k=3))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental.layout import Format, Layout
+
+from mtp_jax import sharding, speculative
+from mtp_jax.config import DecodeConfig, ModelConfig
+from mtp_jax.hlo_collectives import Collective, collectives
+from mtp_jax.models import loops
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.sampling import SamplingParams
+from mtp_jax.topology import Target
+
+PARAM_SIZED = 0.01  # a collective moving more than this fraction of a device's parameter bytes is flagged
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    batch: int = 8
+    prompt_len: int = 64
+    max_new_tokens: int = 4096
+    num_draft: int = 3
+    dtype: str = "bfloat16"
+
+    def decode_config(self, num_draft: int | None = None) -> DecodeConfig:
+        k = self.num_draft if num_draft is None else num_draft
+        return DecodeConfig(num_draft=k, max_new_tokens=self.max_new_tokens)
+
+
+@dataclasses.dataclass
+class RoundCost:
+    """One round's cost per device."""
+
+    hbm_bytes: float
+    flops: float
+    ici_bytes: float
+
+
+def abstract_model(cfg: ModelConfig, dtype, rules: sharding.ShardingRules) -> CausalLM:
+    """The model with every parameter a `ShapeDtypeStruct` in its sharding (no memory), rules attached."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype)))
+
+    def spec(path, leaf):
+        shard = rules.param_sharding([str(p.key) for p in path], leaf.shape)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shard)
+
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(spec, nnx.to_pure_dict(state)))
+    model = nnx.merge(graphdef, state)
+    model.sharding_rules = rules
+    return model
+
+
+def shard_bytes(leaves) -> int:
+    """Bytes one device holds of these sharded arrays or `ShapeDtypeStruct`s (the largest shard of each)."""
+    total = 0
+    for leaf in jax.tree.leaves(leaves):
+        total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _inputs(model: CausalLM, work: Workload):
+    rules = model.sharding_rules
+    batch = rules.sharding(("batch", None))
+    ids = jax.ShapeDtypeStruct((work.batch, work.prompt_len), jnp.int32, sharding=batch)
+    lens = jax.ShapeDtypeStruct((work.batch,), jnp.int32, sharding=rules.sharding(("batch",)))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rules.sharding(()))
+    sampling = jax.eval_shape(lambda: SamplingParams.from_config(work.decode_config(), work.batch))
+    sampling = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rules.sharding(("batch",)[: a.ndim])), sampling
+    )
+    return ids, lens, key, sampling
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def _start(graphdef, params, ids, lens, key, sampling, cfg: DecodeConfig):
+    model = nnx.merge(graphdef, params)
+    with sharding.activate(model.sharding_rules):
+        return speculative.start_state(model, ids, lens, key, sampling, cfg, greedy=True)
+
+
+def _round(graphdef, cfg: DecodeConfig, params, caches, state, sampling):
+    model = nnx.merge(graphdef, params)
+    with sharding.activate(model.sharding_rules):
+        state = state.replace(cache=caches[0], mtp_cache=caches[1])
+        return speculative.round_step(model, cfg, sampling, greedy=True)(state)
+
+
+def compile_generate(model: CausalLM, work: Workload):
+    """The whole program `generate` runs (greedy), compiled for the model's mesh."""
+    ids, lens, key, sampling = _inputs(model, work)
+    return speculative.lower_generate(model, ids, lens, key, sampling, work.decode_config(), greedy=True).compile()
+
+
+def start_state(model: CausalLM, work: Workload, num_draft: int, shardings=None):
+    """The loop state after the prefill, as `ShapeDtypeStruct`s in the shardings the compiled prefill gives it (or
+    in `shardings`, a tree of them from the same model at another depth: the layouts do not depend on it)."""
+    graphdef, params = nnx.split(model)
+    ids, lens, key, sampling = _inputs(model, work)
+    cfg = work.decode_config(num_draft)
+    if shardings is None:
+        shardings = _start.lower(graphdef, params, ids, lens, key, sampling, cfg=cfg).compile().output_shardings
+    shapes = jax.eval_shape(functools.partial(_start, graphdef, cfg=cfg), params, ids, lens, key, sampling)
+    return jax.tree.map(lambda s, shard: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard), shapes, shardings)
+
+
+def compile_round(model: CausalLM, work: Workload, num_draft: int, state=None):
+    """One round of the decode loop by itself (k = num_draft drafts; 0: a plain step), from the prefill's state.
+    Its caches are donated, so they are updated in place as in the loop, and XLA picks their layout (the loop pins
+    the one attention reads)."""
+    graphdef, params = nnx.split(model)
+    state = start_state(model, work, num_draft) if state is None else state
+    sampling = _inputs(model, work)[3]
+    caches, rest = (state.cache, state.mtp_cache), state.replace(cache=None, mtp_cache=None)
+    shardings = lambda tree: jax.tree.map(lambda leaf: leaf.sharding, tree)
+    auto = jax.tree.map(lambda leaf: Format(Layout.AUTO, leaf.sharding), caches)
+    out = shardings(rest).replace(cache=auto[0], mtp_cache=auto[1])  # the state out, caches in XLA's layout too
+    program = jax.jit(
+        _round,
+        static_argnums=(0, 1),
+        donate_argnums=(3,),
+        in_shardings=(shardings(params), auto, shardings(rest), shardings(sampling)),
+        out_shardings=out,
+    )
+    return program.lower(graphdef, work.decode_config(num_draft), params, caches, rest, sampling).compile()
+
+
+def with_segment_repeats(cfg: ModelConfig, repeats: tuple[int, ...]) -> ModelConfig:
+    """`cfg` with segment i of its trunk repeated repeats[i] times (same kinds, same order)."""
+    kinds = [
+        kind for segment, n in zip(cfg.segments(), repeats, strict=True) for _ in range(n) for kind in segment.kinds
+    ]
+    changes: dict = {"num_layers": len(kinds)}
+    if cfg.layer_types:
+        changes["layer_types"] = tuple(
+            "linear_attention" if k.attention == "deltanet" else "full_attention" for k in kinds
+        )
+    if cfg.moe is not None:
+        dense = sum(1 for k in kinds if k.mlp == "dense")
+        changes["moe"] = dataclasses.replace(cfg.moe, first_dense_layers=dense)
+    cut = cfg.replace(**changes)
+    if tuple(s.count for s in cut.segments()) != tuple(repeats) or [s.kinds for s in cut.segments()] != [
+        s.kinds for s in cfg.segments()
+    ]:
+        raise ValueError(f"cannot cut {cfg.family} to segment repeats {repeats}")
+    return cut
+
+
+def _cost_of(compiled) -> tuple[float, float]:
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return float(analysis.get("bytes accessed", 0.0)), float(analysis.get("flops", 0.0))
+
+
+def round_cost(cfg: ModelConfig, dtype, rules, work: Workload, num_draft: int, state) -> RoundCost:
+    """HBM bytes, flops and interconnect bytes per device of one round at the full depth (see the module doc);
+    `state`: the full-depth model's loop state at k = num_draft, whose layouts the cut trunks' states take."""
+    full = tuple(s.count for s in cfg.segments())
+    base = tuple(min(n, 2) for n in full)
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
+
+    def measure(repeats):
+        model = abstract_model(with_segment_repeats(cfg, repeats), dtype, rules)
+        with loops.unrolled():
+            compiled = compile_round(model, work, num_draft, start_state(model, work, num_draft, shardings))
+        moved = sum(c.moved_bytes for c in collectives(compiled.as_text()))
+        return (*_cost_of(compiled), float(moved))
+
+    at_base = measure(base)
+    total = list(at_base)
+    for i, (n, b) in enumerate(zip(full, base, strict=True)):
+        if n > b:  # one more repeat of segment i: what each of its layers adds
+            grown = measure(tuple(r + (j == i) for j, r in enumerate(base)))
+            total = [t + (n - b) * (g - s) for t, g, s in zip(total, grown, at_base, strict=True)]
+    return RoundCost(*total)
+
+
+def projected_ms(cost: RoundCost, target: Target) -> float:
+    """max(HBM bytes / bandwidth, flops / peak) + interconnect bytes / ICI bandwidth, per device, in ms."""
+    share = target.devices_per_chip
+    chip = target.chip
+    memory = cost.hbm_bytes / (chip.hbm_gbps * 1e9 / share)
+    compute = cost.flops / (chip.bf16_tflops * 1e12 / share)
+    return 1000 * (max(memory, compute) + cost.ici_bytes / (chip.ici_gbps * 1e9))
+
+
+def tokens_per_round(acceptance: list[float], num_draft: int) -> float:
+    """Expected tokens a round emits: 1 + a1 + a1 a2 + ... (conditional acceptance per position; the last value
+    repeats for deeper positions)."""
+    expected, reach = 1.0, 1.0
+    for i in range(num_draft):
+        reach *= acceptance[min(i, len(acceptance) - 1)]
+        expected += reach
+    return expected
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(error) or "exceeds available HBM" in str(error)
+
+
+def memory_report(model: CausalLM, work: Workload, target: Target, state) -> dict:
+    """Per-device bytes of parameters, caches (of `state`, the loop state at k = work.num_draft), other temporaries
+    and the whole program, or `fits: false` with the compiler's reason when it refuses the program; compile time."""
+    params = shard_bytes(nnx.split(model)[1])
+    caches = shard_bytes([state.cache, state.mtp_cache])
+    start = time.perf_counter()
+    report = {"params": params, "caches": caches, "capacity": target.capacity_bytes}
+    try:
+        compiled = compile_generate(model, work)
+    except Exception as e:  # the compiler's own refusal of a program that does not fit
+        if not is_out_of_memory(e):
+            raise
+        first = next((line for line in str(e).splitlines() if "RESOURCE_EXHAUSTED" in line), str(e).splitlines()[0])
+        return {**report, "temporaries": None, "total": None, "fits": False, "reason": first.strip()[:300],
+                "compile_seconds": time.perf_counter() - start}  # fmt: skip
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    held = (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    )
+    report |= {"temporaries": max(stats.temp_size_in_bytes - caches, 0), "total": int(held)}
+    return {**report, "fits": held <= target.capacity_bytes, "compile_seconds": seconds, "program": compiled}
+
+
+def round_collectives(model: CausalLM, work: Workload, num_draft: int, state) -> tuple[list[Collective], str]:
+    """The collectives of one round as decoding runs it (loops rolled) from `state`, and the round's HLO text."""
+    hlo = compile_round(model, work, num_draft, state).as_text()
+    return collectives(hlo), hlo
