@@ -16,8 +16,9 @@ import json
 import os
 import sys
 
-from mtp_jax.decode import positive_int
+from mtp_jax.decode import check_output_path, positive_int
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.files import write_atomically
 
 # Per-position acceptance of the family's own MTP layer where its authors published one.
 PUBLISHED_ACCEPTANCE = {
@@ -241,6 +242,9 @@ def run(args) -> int:
         raise UserError(f"--weights {args.weights}: quantized weight storage is not built yet (bfloat16 only)")
     if args.capacity_gib is not None and args.capacity_gib <= 0:
         raise UserError("--capacity-gib must be positive")
+    for path, option in ((args.json, "--json"), (args.markdown, "--markdown")):
+        if path:
+            check_output_path(path, option)  # before minutes of compiling
     cfg, name = model_config(args)
     target = topology.resolve(args.topology, args.capacity_gib)
     work = planning.Workload(args.batch_size, args.prompt_len, args.max_new_tokens, args.num_draft, args.dtype)
@@ -261,11 +265,9 @@ def run(args) -> int:
     table = markdown(plans)
     print(table, end="")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(plans if args.mesh == "auto" else plans[0], f, indent=2)
+        write_atomically(args.json, json.dumps(plans if args.mesh == "auto" else plans[0], indent=2))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
+        write_atomically(args.markdown, table)
     return 0
 
 

@@ -223,6 +223,7 @@ def test_plan_cli_writes_the_contract_fields(tmp_path):
         (["--topology", "v5e:2x2", "--max-new-tokens", "100000"], "context"),
         (["--topology", "v5e:2x2", "--weights", "fp4"], "invalid choice"),
         (["--topology", "v5e:2x2", "--random-shape", "gpt-5"], "unknown shape"),
+        (["--topology", "v5e:2x2", "--json", ROOT], "is a folder"),
     ],
 )
 def test_plan_cli_bad_input_is_one_line(args, message):
