@@ -247,7 +247,7 @@ def run(args) -> int:
             check_output_path(path, option)  # before minutes of compiling
     cfg, name = model_config(args)
     target = topology.resolve(args.topology, args.capacity_gib)
-    work = planning.Workload(args.batch_size, args.prompt_len, args.max_new_tokens, args.num_draft, args.dtype)
+    work = planning.Workload(args.batch_size, args.prompt_len, args.max_new_tokens, args.num_draft)
     if cfg.max_position_embeddings < work.prompt_len + work.max_new_tokens:
         raise UserError(
             f"prompt {work.prompt_len} + budget {work.max_new_tokens} passes the model's context "

@@ -41,7 +41,6 @@ class Workload:
     prompt_len: int = 64
     max_new_tokens: int = 4096
     num_draft: int = 3
-    dtype: str = "bfloat16"
 
     def decode_config(self, num_draft: int | None = None) -> DecodeConfig:
         k = self.num_draft if num_draft is None else num_draft
