@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from checkpoints_convert.errors import ConversionError
 from mtp_jax.checkpoint import CONFIG_FILE
+from mtp_jax.files import nearest_existing_ancestor
 
 # Beside DST, while a conversion runs: `.DST.partial-*`, the folder being written (it holds LOCK_FILE, locked by
 # its writer), and, where the file system cannot swap two folders in one step, `.DST.old-*`, the previous DST
@@ -33,9 +34,7 @@ def check_destination(dst: str, overwrite: bool) -> None:
             raise ConversionError(f"{dst} exists and is not a folder: --overwrite replaces converted folders only")
         if os.listdir(dst) and not os.path.isfile(os.path.join(dst, CONFIG_FILE)):
             raise ConversionError(f"{dst} is not a converted checkpoint (no {CONFIG_FILE}): not overwriting it")
-    ancestor = os.path.dirname(os.path.abspath(dst))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
+    ancestor = nearest_existing_ancestor(dst)
     if not os.path.isdir(ancestor):
         raise ConversionError(f"{dst}: {ancestor} is a file, not a folder")
 

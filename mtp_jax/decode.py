@@ -15,7 +15,7 @@ import sys
 import time
 
 from mtp_jax.errors import UserError, run_cli
-from mtp_jax.files import write_atomically
+from mtp_jax.files import nearest_existing_ancestor, write_atomically
 
 
 def positive_int(text: str) -> int:
@@ -112,9 +112,7 @@ def check_output_path(path: str, option: str) -> None:
     """Refuse, before any work, an output path that cannot be written: a folder, or one under a file."""
     if os.path.isdir(path):
         raise UserError(f"{option} {path}: is a folder")
-    ancestor = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
+    ancestor = nearest_existing_ancestor(path)
     if not os.path.isdir(ancestor):
         raise UserError(f"{option} {path}: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):

@@ -22,3 +22,12 @@ def write_atomically(path: str, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def nearest_existing_ancestor(path: str) -> str:
+    """The closest ancestor of `path` that exists (a folder where `path` could be created, or a file it would lie
+    under)."""
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    return ancestor
