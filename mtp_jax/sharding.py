@@ -1,10 +1,14 @@
 """Decoding on a `jax.sharding` mesh: the mesh from a spec, the logical-axis rules, placing parameters.
 
 Code names logical axes only:
-  batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, experts, and layers (the stacked-layer axis).
-One `ShardingRules` object maps them to the mesh axes `data`, `expert` and `model`: tensor parallelism over
-`model` (query and kv heads, MLP width, vocabulary), batch over `data`, experts over `expert`. A dimension the
-mesh axes do not divide is replicated instead (kv_heads < model size: every model shard keeps all kv heads); a long
+  batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, experts, expert_mlp (a routed expert's width), and
+  layers (the stacked-layer axis).
+One `ShardingRules` object maps them to the mesh axes `data`, `expert` and `model`: batch over `data`; routed experts
+over `expert` and their width over `model`; everything else that tensor parallelism splits (query and kv heads,
+dense and shared-expert MLP width, vocabulary) over `model` and `expert` together, so that on an expert mesh the
+attention, dense layers, embedding and head are split over every chip instead of being held whole by each expert
+shard. A dimension the mesh axes do not divide drops the trailing ones (kv heads: `model` alone, or replicated when
+`model` does not divide them either: every model shard keeps all kv heads); a long
 attention cache whose heads stay whole so (or that has none: MLA's latents) is split over its slots instead
 (`ShardingRules.cache_spec`).
 
@@ -31,7 +35,9 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "expert", "model")  # `model` innermost: neighbouring devices share a tensor-parallel group
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "layers")
+LOGICAL_AXES = (
+    "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "expert_mlp", "layers"
+)
 
 MeshAxes = str | tuple[str, ...] | None
 Logical = Sequence[str | types.EllipsisType | None]
@@ -114,15 +120,16 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     # routed experts
     ("router",): ("embed", None),  # [D, E]: every shard scores every expert
     ("router_bias",): (None,),
-    ("expert_gate",): ("experts", "embed", "mlp"),
-    ("expert_up",): ("experts", "embed", "mlp"),
-    ("expert_down",): ("experts", "mlp", "embed"),
+    ("expert_gate",): ("experts", "embed", "expert_mlp"),
+    ("expert_up",): ("experts", "embed", "expert_mlp"),
+    ("expert_down",): ("experts", "expert_mlp", "embed"),
     # gated attention (Qwen3-Next, Qwen3.5): the output gate has the query's layout
     ("attn", "gate_proj"): ("embed", "heads", "head_dim"),
     # softmax-routed experts: the shared expert's per-token gate
     ("shared", "gate"): ("embed",),
-    # gated DeltaNet: q, k, v channels (conv in and out) whole; the per-value-head projections over heads
-    ("in_proj_qkv",): ("embed", None),  # [D, C]
+    # gated DeltaNet: the q, k, v channel projection split like an MLP width (the short conv then gathers the
+    # step's [B, T, C] channels, which the conv state and weight keep whole); the per-value-head projections over heads
+    ("in_proj_qkv",): ("embed", "mlp"),  # [D, C]
     ("conv",): (None, None),  # [W, C]
     ("in_proj_z",): ("embed", "heads", None),  # [D, N, Y]
     ("in_proj_b",): ("embed", "heads"),  # [D, N]
@@ -169,12 +176,13 @@ class ShardingRules:
     batch: MeshAxes = "data"
     seq: MeshAxes = None
     embed: MeshAxes = None
-    heads: MeshAxes = "model"
-    kv_heads: MeshAxes = "model"
+    heads: MeshAxes = ("model", "expert")
+    kv_heads: MeshAxes = ("model", "expert")
     head_dim: MeshAxes = None
-    mlp: MeshAxes = "model"
-    vocab: MeshAxes = "model"
+    mlp: MeshAxes = ("model", "expert")
+    vocab: MeshAxes = ("model", "expert")
     experts: MeshAxes = "expert"
+    expert_mlp: MeshAxes = "model"
     layers: MeshAxes = None
 
     def __post_init__(self):
@@ -202,7 +210,8 @@ class ShardingRules:
     def spec(self, logical: Logical, shape: Sequence[int] | None = None) -> PartitionSpec:
         """The PartitionSpec for a tensor with these logical axes (`...` stands for unsharded middle axes).
 
-        With `shape`, a dimension the mapped mesh axes do not divide is replicated.
+        With `shape`, a dimension the mapped mesh axes do not divide drops the trailing ones until they do (none
+        left: replicated). Axes of size 1 are left out (`model` stands alone where `expert` is 1).
         """
         if ... in logical:
             at = list(logical).index(...)
@@ -218,6 +227,7 @@ class ShardingRules:
             if shape is not None:
                 while axes and shape[i] % math.prod(self.mesh.shape[a] for a in axes):
                     axes = axes[:-1]
+            axes = tuple(a for a in axes if self.mesh.shape[a] > 1) or axes[:1]
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return PartitionSpec(*parts)
 

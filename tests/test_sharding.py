@@ -181,10 +181,12 @@ def test_latent_attention_and_experts_on_an_expert_mesh(report):
     assert moe["run"]["tokens_spec"][0] == "data"
     sizes = dict(part.split("=") for part in MOE_MESH.split(","))
     e, m = int(sizes["expert"]), int(sizes["model"])
-    # routed experts over `expert` and their width over `model`; heads, MLP width and vocabulary over `model`;
-    # the low-rank projections, routers and norms whole (written out per weight, independently of the rules)
-    splits = {"embed": {0: m}, "lm_head": {1: m}, "q_b_proj": {-2: m}, "kv_b_proj": {-2: m}, "o_proj": {-3: m}}
-    splits |= {"gate_proj": {-1: m}, "up_proj": {-1: m}, "down_proj": {-2: m}}
+    # routed experts over `expert` and their width over `model`; heads, dense and shared-expert MLP width and
+    # vocabulary over `model` and `expert` together (every chip a share); the low-rank projections, routers and norms
+    # whole (written out per weight, independently of the rules)
+    tp = m * e
+    splits = {"embed": {0: tp}, "lm_head": {1: tp}, "q_b_proj": {-2: tp}, "kv_b_proj": {-2: tp}, "o_proj": {-3: tp}}
+    splits |= {"gate_proj": {-1: tp}, "up_proj": {-1: tp}, "down_proj": {-2: tp}}
     splits |= {"expert_gate": {-3: e, -1: m}, "expert_up": {-3: e, -1: m}, "expert_down": {-3: e, -2: m}}
     for param in moe["params"]:
         expected = list(param["shape"])
