@@ -2,7 +2,7 @@
 
 from mtp_jax.checkpoint import load_model
 from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
-from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.causal_lm import CausalLM, unstack_layers
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative import GenerateOutput, generate
 
@@ -16,4 +16,5 @@ __all__ = [
     "SamplingParams",
     "generate",
     "load_model",
+    "unstack_layers",
 ]

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from mtp_jax.config import LAYER_LAYOUTS
 from mtp_jax.decode import positive_int
 from mtp_jax.errors import UserError, run_cli
 
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="add an adaptive-k row with the "
                         "largest k, its round costs from the split timing (default: on with --split)")  # fmt: skip
     parser.add_argument("--mesh", help="shard ours over every device: data=D,model=M[,expert=E] or auto")
+    parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
+                        help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
+                        "auto: unstacked on GPU, where a scan copies each layer's weights every step")  # fmt: skip
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
     return parser
@@ -82,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_target(args, notes: list[str]):
     """(model, tokenizer or None, label, peer source path or None)."""
     from mtp_jax import checkpoint
+    from mtp_jax.models import causal_lm
     from mtp_jax.sharding import make_mesh, shard_model
 
     try:
@@ -97,11 +102,17 @@ def load_target(args, notes: list[str]):
         dtype = args.dtype or checkpoint.default_dtype()
         model = mtp_jax.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
         model = model if mesh is None else shard_model(model, mesh)
-        return model, None, f"random weights, shape {args.random_shape}", None
+        return (
+            causal_lm.apply_layer_layout(model, args.layer_layout),
+            None,
+            f"random weights, shape {args.random_shape}",
+            None,
+        )
     from mtp_jax.default_model import default_gguf_path
 
     path = args.model or default_gguf_path()
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh)
+    model = causal_lm.apply_layer_layout(model, args.layer_layout)
     if args.peer is False:
         return model, tokenizer, path, None
     if os.path.isdir(path) and checkpoint.is_converted(path):

@@ -10,6 +10,8 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+LAYER_LAYOUTS = ("auto", "stacked", "unstacked")  # how layer parameters are held: models.causal_lm.apply_layer_layout
+
 MtpLayout = Literal["deepseek", "mimo", "qwen_next"]
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from mtp_jax.config import LAYER_LAYOUTS
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", help="shard over every device: data=D,model=M[,expert=E] or auto (all on model); "
                         "--batch-size is rounded up to a multiple of D")  # fmt: skip
     add_distributed_arguments(parser)
+    parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
+                        help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
+                        "auto: unstacked on GPU, where a scan copies each layer's weights every step")  # fmt: skip
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--stats-json", help="write decode statistics here")
     return parser
@@ -342,6 +346,7 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
 
     from mtp_jax import checkpoint, stats
     from mtp_jax.config import DecodeConfig
+    from mtp_jax.models import causal_lm
     from mtp_jax.prompts import bucket, encode_prompts, pad_batch
     from mtp_jax.sharding import make_mesh, to_host
     from mtp_jax.speculative import compile_generate
@@ -351,6 +356,7 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     except ValueError as e:
         raise UserError(f"--mesh: {e}") from None
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh)
+    model = causal_lm.apply_layer_layout(model, args.layer_layout)
     cfg = model.config
     num_draft = choose_num_draft(args, cfg.has_mtp)
     prompts = encode_prompts(

@@ -82,6 +82,13 @@ class GroupStack(nnx.Module):
         self.config, self.kinds, self.repeats = cfg, kinds, repeats
         self.members = nnx.List([_stacked(_make_layer(cfg, kind, dtype), repeats, rngs) for kind in kinds])
 
+    def unstack(self) -> None:
+        """Hold each repeat's parameters as arrays of their own (`unstack_layers`): members[j][r]."""
+        if not isinstance(self.members[0], nnx.List):
+            self.members = nnx.List(
+                [nnx.List(loops.unstacked_modules(member, self.repeats)) for member in self.members]
+            )
+
     def new_cache(self, batch: int, slots: int, dtype) -> GroupCache:
         """Empty caches: KVCache [R, B, S, K, H] per attention layer, zero DeltaNetStates [R, B, ...] per DeltaNet."""
         members = tuple(
@@ -95,18 +102,14 @@ class GroupStack(nnx.Module):
     def __call__(self, x, positions, rope, cache: GroupCache, lengths=None, every_state: bool = False):
         """x [B, T, D] through every repeat of the group; returns (x, the cache after these tokens: attention entries
         written at `positions`, DeltaNet states as the mode gives them)."""
-        split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
-        graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
         past = cache.constrained().members
         # DeltaNet states are scanned over (each repeat reads its whole state); attention caches are read in place.
         deltanet = [kind.attention == "deltanet" for kind in self.kinds]
         states = tuple(entry if is_deltanet else None for is_deltanet, entry in zip(deltanet, past, strict=True))
 
-        def run(x, repeat_inputs):
-            params, repeat_states, repeat = repeat_inputs
+        def run(layers, x, repeat_states, repeat):
             new = []
-            for j, kind in enumerate(self.kinds):
-                layer = nnx.merge(graphdefs[j], params[j])
+            for j, (kind, layer) in enumerate(zip(self.kinds, layers, strict=True)):
                 with jax.named_scope(f"layer_{j}"):
                     if kind.attention == "deltanet":
                         x, state = layer(x, repeat_states[j], lengths, every_state)
@@ -117,8 +120,19 @@ class GroupStack(nnx.Module):
                         new.append((k, v))
             return x, tuple(new)
 
-        scanned = (stacked, states, jnp.arange(self.repeats))
-        x, new = loops.scan(run, x, scanned)  # DeltaNet: states [R, B, ...]; attention: [R, B, T, K, H]
+        if isinstance(self.members[0], nnx.List):  # unstacked (`unstack_layers`): members[j][r]
+            repeats = [
+                (tuple(member[r] for member in self.members), jax.tree.map(lambda a, r=r: a[r], states))
+                for r in range(self.repeats)
+            ]
+            x, new = loops.each_layer(lambda inputs, x, r: run(inputs[0], x, inputs[1], r), x, repeats)
+        else:
+            split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
+            graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
+            merged = lambda params: tuple(nnx.merge(g, p) for g, p in zip(graphdefs, params, strict=True))
+            step = lambda x, inputs: run(merged(inputs[0]), x, inputs[1], inputs[2])
+            x, new = loops.scan(step, x, (stacked, states, jnp.arange(self.repeats)))
+        # new: DeltaNet states [R, B, ...]; attention entries [R, B, T, K, H]
         members = []
         for kind, old, entry in zip(self.kinds, past, new, strict=True):
             if kind.attention == "deltanet":

@@ -12,6 +12,8 @@ import contextvars
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 _UNROLL: contextvars.ContextVar[bool] = contextvars.ContextVar("mtp_jax_unroll_loops", default=False)
 
@@ -34,3 +36,19 @@ def scan(f, init, xs):
 def fori_loop(lower: int, upper: int, body, init):
     """`jax.lax.fori_loop` over a static range, unrolled under `unrolled()`."""
     return jax.lax.fori_loop(lower, upper, body, init, unroll=_UNROLL.get() or None)
+
+
+def each_layer(f, init, layers: list):
+    """The unstacked twin of `scan`: `f(layers[i], carry, i)` for each i in order, Python-unrolled; the per-layer
+    outputs stacked on a new leading axis, as `scan` stacks them."""
+    carry, outputs = init, []
+    for index, layer in enumerate(layers):
+        carry, out = f(layer, carry, index)
+        outputs.append(out)
+    return carry, jax.tree.map(lambda *parts: jnp.stack(parts), *outputs)
+
+
+def unstacked_modules(stacked: nnx.Module, count: int) -> list[nnx.Module]:
+    """The `count` modules of a module whose parameters carry a leading stacked axis, each with arrays of its own."""
+    graphdef, state = nnx.split(stacked)
+    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(count)]
