@@ -11,22 +11,10 @@ fusions, conditionals (each branch counted as if taken: an upper bound) and asyn
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections import Counter, defaultdict
+
+from mtp_jax.hlo_text import INSTRUCTION, OPERAND, array_bytes, computations, executions
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
-
-_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1,
-    "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_CALLEES = re.compile(r"\b(?:condition|body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,118 +33,17 @@ class Collective:
         return max(self.operand_bytes, self.result_bytes) * self.count
 
 
-def array_bytes(text: str) -> int:
-    """Bytes of every array type in `text` (a type or a tuple of types), e.g. `(bf16[2,3], f32[4])` -> 28."""
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(text):
-        if dtype in _BYTES:
-            size = 1
-            for d in filter(None, dims.split(",")):
-                size *= int(d)
-            total += size * _BYTES[dtype]
-    return int(total)
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """{computation name: its instruction lines} and the ENTRY computation's name. A computation starts with an
-    unindented header line ending in `{` and ends with an unindented `}`."""
-    bodies: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            header = line.removeprefix("ENTRY").strip()
-            current = header.split()[0].lstrip("%")
-            bodies[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            bodies[current].append(line)
-    return bodies, entry
-
-
-def _instructions(lines: list[str]) -> dict[str, tuple[str, str, str]]:
-    """{instruction name: (result type, opcode, the rest of its line)} of one computation."""
-    return {m.group(1): m.group(2, 3, 4) for m in map(_INSTRUCTION.match, lines) if m}
-
-
-def _constant(name: str, instructions: dict, hops: int = 4) -> int | None:
-    """The integer value of `name` when it is a scalar constant (through copies and bitcasts)."""
-    while hops and name in instructions:
-        _, op, rest = instructions[name]
-        if op == "constant":
-            value = rest.split(")")[0]
-            return int(value) if value.lstrip("-").isdigit() else None
-        if op not in ("copy", "bitcast", "convert"):
-            return None
-        name, hops = _OPERAND.findall(rest.split(")")[0])[0], hops - 1
-    return None
-
-
-def _trip_count(line: str, caller: dict, bodies: dict[str, list[str]]) -> int:
-    """Iterations of the while loop on `line`: XLA's `known_trip_count` when annotated, else read off its condition
-    (`induction < constant`, the induction variable's start traced to a constant in the caller, 0 if not: JAX's
-    loops count from 0 in steps of 1); 1 when the condition has another form."""
-    known = _TRIP_COUNT.search(line)
-    if known:
-        return int(known.group(1))
-    condition = re.search(r"condition=%?([\w.\-]+)", line)
-    if not condition or condition.group(1) not in bodies:
-        return 1
-    cond = _instructions(bodies[condition.group(1)])
-    root = next((rest for _, op, rest in cond.values() if op == "compare" and "direction=LT" in rest), None)
-    if root is None:
-        return 1
-    induction, bound = _OPERAND.findall(root.split(")")[0])[:2]
-    limit = _constant(bound, cond)
-    index = re.search(r"index=(\d+)", cond.get(induction, ("", "", ""))[2])
-    if limit is None or index is None:
-        return 1
-    start = 0
-    operand = _OPERAND.findall(line.split(" while(")[1].split(")")[0])
-    if operand and operand[0] in caller and caller[operand[0]][1] == "tuple":
-        elements = _OPERAND.findall(caller[operand[0]][2].split(")")[0])
-        if int(index.group(1)) < len(elements):
-            start = _constant(elements[int(index.group(1))], caller) or 0
-    return max(limit - start, 0)
-
-
-def _executions(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per execution of ENTRY."""
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for name, lines in bodies.items():
-        instructions = _instructions(lines)
-        for line in lines:
-            times = _trip_count(line, instructions, bodies) if " while(" in line else 1
-            callees = _CALLEES.findall(line)
-            for branches in _BRANCHES.findall(line):
-                callees += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
-            calls[name] += [(callee, times) for callee in callees if callee in bodies]
-    runs: Counter = Counter()
-
-    def visit(name: str, times: int, depth: int = 0):
-        if depth > 64:  # HLO computations form a DAG; a deeper chain means a parse went wrong
-            raise ValueError(f"HLO call chain through {name} deeper than 64")
-        runs[name] += times
-        for callee, factor in calls[name]:
-            visit(callee, times * factor, depth + 1)
-
-    visit(entry, 1)
-    return runs
-
-
 def collectives(hlo: str) -> list[Collective]:
     """Every collective of the program in `hlo` (compiled HLO text), grouped by kind and result type, largest total
     first. Asynchronous pairs count once (the collective, not its start or done wrappers)."""
-    bodies, entry = _computations(hlo)
-    runs = _executions(bodies, entry)
-    parsed = [m for lines in bodies.values() for m in map(_INSTRUCTION.match, lines) if m]
+    bodies, entry = computations(hlo)
+    runs = executions(bodies, entry)
+    parsed = [m for lines in bodies.values() for m in map(INSTRUCTION.match, lines) if m]
     result_bytes = {m.group(1): array_bytes(m.group(2)) for m in parsed}  # instruction name -> bytes of its result
     found: dict[tuple[str, str], list[int]] = {}
     for name, lines in bodies.items():
         for line in lines:
-            instruction = _INSTRUCTION.match(line)
+            instruction = INSTRUCTION.match(line)
             if not runs[name] or not instruction:
                 continue
             _, result, op, rest = instruction.groups()
@@ -164,7 +51,7 @@ def collectives(hlo: str) -> list[Collective]:
             if kind not in KINDS:
                 continue
             operands = rest.split(")")[0]
-            operand_bytes = sum(result_bytes.get(o, 0) for o in _OPERAND.findall(operands))
+            operand_bytes = sum(result_bytes.get(o, 0) for o in OPERAND.findall(operands))
             shape = result.split("{")[0].strip() if not result.startswith("(") else result
             counts = found.setdefault((kind, shape), [operand_bytes, array_bytes(result), 0])
             counts[2] += runs[name]

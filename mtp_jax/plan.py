@@ -133,16 +133,19 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     state = planning.start_state(model, work, k)
     memory = planning.memory_report(model, work, target, state)
     memory.pop("program", None)
-    found, hlo = planning.round_collectives(model, work, k, state)
+    found, hlo = planning.compile_rolled_round(model, work, k, state)
     plain_state = planning.start_state(model, work, 0) if k else state
+    plain_hlo = planning.compile_rolled_round(model, work, 0, plain_state)[1] if k else hlo
     if dump_hlo:
-        write_hlo(dump_hlo, "mtp_round" if k else "plain_step", hlo)
+        write_hlo(dump_hlo, "plain_step", plain_hlo)
         if k:
-            write_hlo(dump_hlo, "plain_step", planning.round_collectives(model, work, 0, plain_state)[1])
-    costs = {"plain_step": planning.round_cost(cfg, dtype, rules, work, 0, plain_state)}
+            write_hlo(dump_hlo, "mtp_round", hlo)
+    costs = {"plain_step": planning.round_cost(cfg, dtype, rules, work, 0, plain_state, plain_hlo)}
     if k:
-        costs["mtp_round"] = planning.round_cost(cfg, dtype, rules, work, k, state)
+        costs["mtp_round"] = planning.round_cost(cfg, dtype, rules, work, k, state, hlo)
     steps = {key: {**vars(cost), "projected_ms": planning.projected_ms(cost, target)} for key, cost in costs.items()}
+    floor = planning.plain_step_floor(model, plain_state)
+    steps["plain_step"] |= {"floor_bytes": floor, "hbm_over_floor": steps["plain_step"]["hbm_bytes"] / floor}
     acceptance, source = acceptance_for(args, cfg)
     per_round = planning.tokens_per_round(acceptance, k)
     plain_ms = steps["plain_step"]["projected_ms"]

@@ -4,16 +4,18 @@ Nothing runs on the topology: parameters are `jax.ShapeDtypeStruct`s in their sh
 through libtpu) the same jitted programs `generate` runs. From them:
   - memory per device: parameters and caches (from their shardings), XLA's temporaries, the total against capacity;
   - the collectives of one decode round (its HLO, each counted as often as it runs);
-  - HBM bytes and flops of one plain step and one MTP round: XLA's cost analysis of the round compiled by itself
-    with its loops unrolled (a loop body is otherwise counted once); layers cost the same, so the round is compiled
-    for the trunk cut to two repeats of each segment, and once more with one more repeat per segment, and the
-    difference extrapolated to the full depth.
+  - HBM bytes of one plain step and one MTP round, read off the round's compiled HLO (`hlo_traffic`: in-place
+    updates and slices count what they touch, loop bodies count per iteration);
+  - their flops: XLA's cost analysis of the round compiled by itself with its loops unrolled (a loop body is
+    otherwise counted once); layers cost the same, so the round is compiled for the trunk cut to two repeats of each
+    segment, and once more with one more repeat per segment, and the difference extrapolated to the full depth.
 
     plan = planning.plan(cfg, target, "data=1,model=8", Workload(batch=8, prompt_len=64, max_new_tokens=4096, k=3))
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -26,7 +28,8 @@ from jax.experimental.layout import Format, Layout
 
 from mtp_jax import sharding, speculative
 from mtp_jax.config import DecodeConfig, ModelConfig
-from mtp_jax.hlo_collectives import Collective, collectives
+from mtp_jax.hlo_collectives import collectives
+from mtp_jax.hlo_traffic import hbm_bytes
 from mtp_jax.models import loops
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.sampling import SamplingParams
@@ -98,9 +101,9 @@ def _start(graphdef, params, ids, lens, key, sampling, cfg: DecodeConfig):
         return speculative.start_state(model, ids, lens, key, sampling, cfg, greedy=True)
 
 
-def _round(graphdef, cfg: DecodeConfig, params, caches, state, sampling):
+def _round(graphdef, cfg: DecodeConfig, unroll: bool, params, caches, state, sampling):
     model = nnx.merge(graphdef, params)
-    with sharding.activate(model.sharding_rules):
+    with sharding.activate(model.sharding_rules), loops.unrolled() if unroll else contextlib.nullcontext():
         state = state.replace(cache=caches[0], mtp_cache=caches[1])
         return speculative.round_step(model, cfg, sampling, greedy=True)(state)
 
@@ -123,8 +126,9 @@ def start_state(model: CausalLM, work: Workload, num_draft: int, shardings=None)
     return jax.tree.map(lambda s, shard: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard), shapes, shardings)
 
 
-def compile_round(model: CausalLM, work: Workload, num_draft: int, state=None):
-    """One round of the decode loop by itself (k = num_draft drafts; 0: a plain step), from the prefill's state.
+def compile_round(model: CausalLM, work: Workload, num_draft: int, state=None, unroll: bool = False):
+    """One round of the decode loop by itself (k = num_draft drafts; 0: a plain step), from the prefill's state,
+    with its loops unrolled if `unroll` (a static argument, so a rolled compile is never reused for it).
     Its caches are donated, so they are updated in place as in the loop, and XLA picks their layout (the loop pins
     the one attention reads)."""
     graphdef, params = nnx.split(model)
@@ -136,12 +140,12 @@ def compile_round(model: CausalLM, work: Workload, num_draft: int, state=None):
     out = shardings(rest).replace(cache=auto[0], mtp_cache=auto[1])  # the state out, caches in XLA's layout too
     program = jax.jit(
         _round,
-        static_argnums=(0, 1),
-        donate_argnums=(3,),
+        static_argnums=(0, 1, 2),
+        donate_argnums=(4,),
         in_shardings=(shardings(params), auto, shardings(rest), shardings(sampling)),
         out_shardings=out,
     )
-    return program.lower(graphdef, work.decode_config(num_draft), params, caches, rest, sampling).compile()
+    return program.lower(graphdef, work.decode_config(num_draft), unroll, params, caches, rest, sampling).compile()
 
 
 def with_segment_repeats(cfg: ModelConfig, repeats: tuple[int, ...]) -> ModelConfig:
@@ -171,27 +175,39 @@ def _cost_of(compiled) -> tuple[float, float]:
     return float(analysis.get("bytes accessed", 0.0)), float(analysis.get("flops", 0.0))
 
 
-def round_cost(cfg: ModelConfig, dtype, rules, work: Workload, num_draft: int, state) -> RoundCost:
-    """HBM bytes, flops and interconnect bytes per device of one round at the full depth (see the module doc);
+def round_cost(cfg: ModelConfig, dtype, rules, work: Workload, num_draft: int, state, hlo: str) -> RoundCost:
+    """HBM bytes, flops and interconnect bytes per device of one round at the full depth: bytes and interconnect
+    bytes read off `hlo`, the round's own compiled HLO (loops rolled, bodies counted per execution:
+    `hlo_traffic`, `hlo_collectives`); flops from XLA's cost analysis of the round with its loops unrolled, for the
+    trunk cut to two repeats of each segment and to one more, extrapolated to the full depth (see the module doc).
     `state`: the full-depth model's loop state at k = num_draft, whose layouts the cut trunks' states take."""
     full = tuple(s.count for s in cfg.segments())
     base = tuple(min(n, 2) for n in full)
     shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
 
-    def measure(repeats):
+    def flops(repeats):
         model = abstract_model(with_segment_repeats(cfg, repeats), dtype, rules)
-        with loops.unrolled():
-            compiled = compile_round(model, work, num_draft, start_state(model, work, num_draft, shardings))
-        moved = sum(c.moved_bytes for c in collectives(compiled.as_text()))
-        return (*_cost_of(compiled), float(moved))
+        compiled = compile_round(model, work, num_draft, start_state(model, work, num_draft, shardings), unroll=True)
+        return _cost_of(compiled)[1]
 
-    at_base = measure(base)
-    total = list(at_base)
+    at_base = flops(base)
+    total = at_base
     for i, (n, b) in enumerate(zip(full, base, strict=True)):
         if n > b:  # one more repeat of segment i: what each of its layers adds
-            grown = measure(tuple(r + (j == i) for j, r in enumerate(base)))
-            total = [t + (n - b) * (g - s) for t, g, s in zip(total, grown, at_base, strict=True)]
-    return RoundCost(*total)
+            total += (n - b) * (flops(tuple(r + (j == i) for j, r in enumerate(base))) - at_base)
+    moved = sum(c.moved_bytes for c in collectives(hlo))
+    return RoundCost(hbm_bytes=float(hbm_bytes(hlo)), flops=total, ici_bytes=float(moved))
+
+
+def plain_step_floor(model: CausalLM, state) -> int:
+    """Bytes per device a plain step cannot avoid reading: the trunk's weights, the final norm and the lm_head (the
+    embedding table too when the head is tied to it; otherwise only B of its rows are gathered), and the whole trunk
+    cache (a step late in a generation that fills it). Not the MTP layer, which a plain step does not run."""
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    read = {key: value for key, value in params.items() if key not in ("mtp", "draft_vocab")}
+    if model.lm_head is not None:
+        read.pop("embed")
+    return shard_bytes(read) + shard_bytes(state.cache)
 
 
 def projected_ms(cost: RoundCost, target: Target) -> float:
@@ -241,7 +257,7 @@ def memory_report(model: CausalLM, work: Workload, target: Target, state) -> dic
     return {**report, "fits": held <= target.capacity_bytes, "compile_seconds": seconds, "program": compiled}
 
 
-def round_collectives(model: CausalLM, work: Workload, num_draft: int, state) -> tuple[list[Collective], str]:
-    """The collectives of one round as decoding runs it (loops rolled) from `state`, and the round's HLO text."""
+def compile_rolled_round(model: CausalLM, work: Workload, num_draft: int, state):
+    """One round as decoding runs it (loops rolled) from `state`: its collectives and its HLO text."""
     hlo = compile_round(model, work, num_draft, state).as_text()
     return collectives(hlo), hlo

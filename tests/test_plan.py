@@ -17,11 +17,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtp_jax import planning, shapes, sharding, topology
+from mtp_jax import hlo_traffic, planning, shapes, sharding, topology
 from mtp_jax.config import MoeConfig
 from mtp_jax.errors import UserError
 from mtp_jax.hlo_collectives import array_bytes, collectives
-from mtp_jax.models import loops
 from mtp_jax.models import moe as moe_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,20 +143,19 @@ def test_with_segment_repeats_keeps_each_segments_kinds():
 
 
 def test_round_cost_extrapolated_over_layers_equals_the_whole_trunk_unrolled():
-    """Cut to 2 and 3 layers and extrapolated to 5, a round's flops and bytes equal those of the 5-layer trunk
-    compiled unrolled in one piece."""
+    """Cut to 2 and 3 layers and extrapolated to 5, a round's flops equal those of the 5-layer trunk compiled
+    unrolled in one piece; its HBM bytes are those read off the rolled round's HLO, loop bodies per iteration."""
     cfg = tiny_dense().replace(num_layers=5)
     target = topology.resolve("v5e:2x2")
     rules = sharding.ShardingRules(sharding.make_mesh("data=1,model=4", target.devices))
     work = planning.Workload(batch=4, prompt_len=16, max_new_tokens=32, num_draft=2)
     model = planning.abstract_model(cfg, jnp.bfloat16, rules)
     state = planning.start_state(model, work, 2)
-    projected = planning.round_cost(cfg, jnp.bfloat16, rules, work, 2, state)
-    with loops.unrolled():
-        whole = planning.compile_round(model, work, 2, state)
-    hbm, flops = planning._cost_of(whole)
-    assert projected.flops == pytest.approx(flops, rel=0.02)
-    assert projected.hbm_bytes == pytest.approx(hbm, rel=0.02)
+    _, hlo = planning.compile_rolled_round(model, work, 2, state)
+    projected = planning.round_cost(cfg, jnp.bfloat16, rules, work, 2, state, hlo)
+    whole = planning.compile_round(model, work, 2, state, unroll=True)
+    assert projected.flops == pytest.approx(planning._cost_of(whole)[1], rel=0.02)
+    assert projected.hbm_bytes == hlo_traffic.hbm_bytes(hlo)
 
 
 def independent_param_bytes_per_chip(cfg, model_shards: int) -> int:
@@ -208,6 +206,8 @@ def test_plan_cli_writes_the_contract_fields(tmp_path):
     assert plan["mesh"] == {"data": 2, "expert": 1, "model": 2}
     assert set(plan["per_chip_bytes"]) >= {"params", "caches", "temporaries", "total", "capacity"}
     assert plan["plain_step"]["hbm_bytes"] > 0 and plan["mtp_round"]["flops"] > plan["plain_step"]["flops"]
+    plain = plan["plain_step"]
+    assert plain["hbm_over_floor"] == pytest.approx(plain["hbm_bytes"] / plain["floor_bytes"])
     per_round = 1 + 0.8 + 0.8**2 + 0.8**3  # the assumed acceptance at k = 3
     tps = plan["projected_tokens_per_second"]
     assert tps["mtp"] == pytest.approx(1000 * 8 * per_round / plan["mtp_round"]["projected_ms"])
@@ -281,7 +281,7 @@ def test_moe_round_moves_activations_not_expert_weights(family, monkeypatch):
     state = planning.start_state(model, work, 3)
 
     def largest_moved():
-        found, _ = planning.round_collectives(model, work, 3, state)
+        found, _ = planning.compile_rolled_round(model, work, 3, state)
         return max(max(c.operand_bytes, c.result_bytes) for c in found)
 
     assert largest_moved() < planning.PARAM_SIZED * params
