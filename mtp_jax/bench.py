@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="add an adaptive-k row with the "
                         "largest k, its round costs from the split timing (default: on with --split)")  # fmt: skip
     parser.add_argument("--mesh", help="shard ours over every device: data=D,model=M[,expert=E] or auto")
+    parser.add_argument("--weights", choices=("auto", "bfloat16", "int8"), default="auto",
+                        help="int8: matmul weights stored as int8 with per-channel scales, dequantized inside the "
+                        "step (about half the bytes of bfloat16 per step); auto: as the checkpoint loads")  # fmt: skip
     parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
                         help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
                         "auto: unstacked on GPU, where a scan copies each layer's weights every step")  # fmt: skip
@@ -87,6 +90,7 @@ def load_target(args, notes: list[str]):
     """(model, tokenizer or None, label, peer source path or None)."""
     from mtp_jax import checkpoint
     from mtp_jax.models import causal_lm
+    from mtp_jax.quant import quantize_model
     from mtp_jax.sharding import make_mesh, shard_model
 
     try:
@@ -101,7 +105,7 @@ def load_target(args, notes: list[str]):
 
         dtype = args.dtype or checkpoint.default_dtype()
         model = mtp_jax.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
-        model = model if mesh is None else shard_model(model, mesh)
+        model = quantize_model(model if mesh is None else shard_model(model, mesh), args.weights)
         return (
             causal_lm.apply_layer_layout(model, args.layer_layout),
             None,
@@ -111,7 +115,7 @@ def load_target(args, notes: list[str]):
     from mtp_jax.default_model import default_gguf_path
 
     path = args.model or default_gguf_path()
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh)
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
     model = causal_lm.apply_layer_layout(model, args.layer_layout)
     if args.peer is False:
         return model, tokenizer, path, None

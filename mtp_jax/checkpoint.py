@@ -16,6 +16,7 @@ from checkpoints_convert.errors import ConversionError
 from checkpoints_convert.source import read_json_object
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.quant import quantize_model
 from mtp_jax.sharding import ShardingRules, place, rules_for
 
 
@@ -128,6 +129,7 @@ def load(
     mesh: Mesh | ShardingRules | None = None,
     head: str | None = None,
     default_head: bool = True,
+    weights: str = "auto",
 ):
     """(model, tokenizer or None) for `path`; None means the default model.
 
@@ -137,12 +139,16 @@ def load(
     `head`: a head folder written by `python -m mtp_jax.train_head`; without one, the shipped head of the default
     model, or an `mtp_head/` folder inside the model folder, is attached when present (`default_head=False`: not;
     e.g. to train a new head on the bare trunk).
+
+    `weights`: "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel scales, dequantized
+    inside the jitted step (`mtp_jax.quant`); "auto" / "bfloat16": as loaded in `dtype`.
     """
     from mtp_jax.heads import attach_head, head_for
 
     model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh)
     head = head or (head_for(path) if default_head else None)
-    return (attach_head(model, head) if head else model), tokenizer
+    model = attach_head(model, head) if head else model
+    return quantize_model(model, weights), tokenizer
 
 
 def _load_trunk(path, *, dtype, mesh):
@@ -185,7 +191,8 @@ def load_model(
     mesh: Mesh | ShardingRules | None = None,
     head: str | None = None,
     default_head: bool = True,
+    weights: str = "auto",
 ) -> CausalLM:
     """The model at `path` (converted folder, Hugging Face folder or .gguf); None means the default model.
-    `mesh`, `head`, `default_head`: as `load` takes them."""
-    return load(path, dtype=dtype, mesh=mesh, head=head, default_head=default_head)[0]
+    `mesh`, `head`, `default_head`, `weights`: as `load` takes them."""
+    return load(path, dtype=dtype, mesh=mesh, head=head, default_head=default_head, weights=weights)[0]

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", help="shard over every device: data=D,model=M[,expert=E] or auto (all on model); "
                         "--batch-size is rounded up to a multiple of D")  # fmt: skip
     add_distributed_arguments(parser)
+    parser.add_argument("--weights", choices=("auto", "bfloat16", "int8"), default="auto",
+                        help="int8: matmul weights stored as int8 with per-channel scales, dequantized inside the "
+                        "step (about half the bytes of bfloat16 per step); auto: as the checkpoint loads")  # fmt: skip
     parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
                         help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
                         "auto: unstacked on GPU, where a scan copies each layer's weights every step")  # fmt: skip
@@ -355,7 +358,7 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
         mesh = make_mesh(args.mesh) if args.mesh else None
     except ValueError as e:
         raise UserError(f"--mesh: {e}") from None
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh)
+    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
     model = causal_lm.apply_layer_layout(model, args.layer_layout)
     cfg = model.config
     num_draft = choose_num_draft(args, cfg.has_mtp)

@@ -127,7 +127,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
 
     rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
     dtype = jnp.dtype(args.dtype)
-    model = planning.abstract_model(cfg, dtype, rules)
+    model = planning.abstract_model(cfg, dtype, rules, args.weights)
     k = work.num_draft if cfg.has_mtp else 0
     work = dataclasses.replace(work, num_draft=k)
     state = planning.start_state(model, work, k)
@@ -140,9 +140,9 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
         write_hlo(dump_hlo, "plain_step", plain_hlo)
         if k:
             write_hlo(dump_hlo, "mtp_round", hlo)
-    costs = {"plain_step": planning.round_cost(cfg, dtype, rules, work, 0, plain_state, plain_hlo)}
+    costs = {"plain_step": planning.round_cost(cfg, dtype, rules, work, 0, plain_state, plain_hlo, args.weights)}
     if k:
-        costs["mtp_round"] = planning.round_cost(cfg, dtype, rules, work, k, state, hlo)
+        costs["mtp_round"] = planning.round_cost(cfg, dtype, rules, work, k, state, hlo, args.weights)
     steps = {key: {**vars(cost), "projected_ms": planning.projected_ms(cost, target)} for key, cost in costs.items()}
     floor = planning.plain_step_floor(model, plain_state)
     steps["plain_step"] |= {"floor_bytes": floor, "hbm_over_floor": steps["plain_step"]["hbm_bytes"] / floor}
@@ -241,8 +241,8 @@ def markdown(plans: list[dict]) -> str:
 def run(args) -> int:
     from mtp_jax import planning, topology
 
-    if args.weights in ("fp8", "int8"):
-        raise UserError(f"--weights {args.weights}: quantized weight storage is not built yet (bfloat16 only)")
+    if args.weights == "fp8":
+        raise UserError("--weights fp8: fp8 block storage is not built yet (int8 weight-only and bfloat16 are)")
     if args.capacity_gib is not None and args.capacity_gib <= 0:
         raise UserError("--capacity-gib must be positive")
     for path, option in ((args.json, "--json"), (args.markdown, "--markdown")):

@@ -32,6 +32,7 @@ from mtp_jax.hlo_collectives import collectives
 from mtp_jax.hlo_traffic import hbm_bytes
 from mtp_jax.models import loops
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.quant import quantize_model
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.topology import Target
 
@@ -59,12 +60,13 @@ class RoundCost:
     ici_bytes: float
 
 
-def abstract_model(cfg: ModelConfig, dtype, rules: sharding.ShardingRules) -> CausalLM:
-    """The model with every parameter a `ShapeDtypeStruct` in its sharding (no memory), rules attached."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype)))
+def abstract_model(cfg: ModelConfig, dtype, rules: sharding.ShardingRules, weights: str = "auto") -> CausalLM:
+    """The model with every parameter a `ShapeDtypeStruct` in its sharding (no memory), rules attached; its matmul
+    weights stored as `weights` says (`quant.quantize_model`)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=dtype), weights)))
 
     def spec(path, leaf):
-        shard = rules.param_sharding([str(p.key) for p in path], leaf.shape)
+        shard = rules.param_sharding(sharding.path_names(path), leaf.shape)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shard)
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(spec, nnx.to_pure_dict(state)))
@@ -175,7 +177,9 @@ def _cost_of(compiled) -> tuple[float, float]:
     return float(analysis.get("bytes accessed", 0.0)), float(analysis.get("flops", 0.0))
 
 
-def round_cost(cfg: ModelConfig, dtype, rules, work: Workload, num_draft: int, state, hlo: str) -> RoundCost:
+def round_cost(
+    cfg: ModelConfig, dtype, rules, work: Workload, num_draft: int, state, hlo: str, weights: str = "auto"
+) -> RoundCost:
     """HBM bytes, flops and interconnect bytes per device of one round at the full depth: bytes and interconnect
     bytes read off `hlo`, the round's own compiled HLO (loops rolled, bodies counted per execution:
     `hlo_traffic`, `hlo_collectives`); flops from XLA's cost analysis of the round with its loops unrolled, for the
@@ -186,7 +190,7 @@ def round_cost(cfg: ModelConfig, dtype, rules, work: Workload, num_draft: int, s
     shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
 
     def flops(repeats):
-        model = abstract_model(with_segment_repeats(cfg, repeats), dtype, rules)
+        model = abstract_model(with_segment_repeats(cfg, repeats), dtype, rules, weights)
         compiled = compile_round(model, work, num_draft, start_state(model, work, num_draft, shardings), unroll=True)
         return _cost_of(compiled)[1]
 

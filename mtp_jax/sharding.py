@@ -36,7 +36,17 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "expert", "model")  # `model` innermost: neighbouring devices share a tensor-parallel group
 LOGICAL_AXES = (
-    "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "expert_mlp", "layers"
+    "batch",
+    "seq",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "experts",
+    "expert_mlp",
+    "layers",
 )
 
 MeshAxes = str | tuple[str, ...] | None
@@ -152,9 +162,15 @@ DELTANET_STATE = ("layers", "batch", "heads", None, None)  # [L, B, N, H, Y] ove
 LOGITS = ("batch", ..., "vocab")  # [B, ..., V]
 
 
+QUANTIZED_PARTS = ("values", "scales")  # the arrays of a quantized weight (mtp_jax.quant), laid out as the weight
+
+
 def param_axes(path: Sequence[str], ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at `path` (its nnx state path) with `ndim` dimensions."""
+    """Logical axes of the parameter at `path` (its nnx state path) with `ndim` dimensions; a quantized weight's
+    values and scales take the weight's (the scales' size-1 axes then stay whole)."""
     path = tuple(str(p) for p in path)
+    if path and path[-1] in QUANTIZED_PARTS:
+        path = path[:-1]
     for n in range(len(path), 0, -1):
         axes = PARAM_AXES.get(path[-n:])
         if axes is not None and len(axes) <= ndim:
@@ -350,6 +366,11 @@ def rules_for(mesh: Mesh | ShardingRules | None) -> ShardingRules | None:
     return mesh if mesh is None or isinstance(mesh, ShardingRules) else ShardingRules(mesh)
 
 
+def path_names(path) -> list[str]:
+    """The names along a pytree key path (dict keys, attribute names of dataclass fields, sequence indices)."""
+    return [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
+
+
 def shard_model(model, mesh: Mesh | ShardingRules):
     """`model` with every parameter moved into its sharding and the rules attached (so `generate` shards too)."""
     from flax import nnx
@@ -358,7 +379,7 @@ def shard_model(model, mesh: Mesh | ShardingRules):
     graphdef, state = nnx.split(model)
 
     def put(path, value):
-        sharding = rules.param_sharding([str(p.key) for p in path], value.shape)
+        sharding = rules.param_sharding(path_names(path), value.shape)
         if sharding.is_fully_addressable:
             return jax.device_put(value, sharding)
         return place_host_array(np.asarray(value), sharding)
