@@ -31,7 +31,7 @@ from mtp_jax.config import DecodeConfig, ModelConfig
 from mtp_jax.hlo_collectives import collectives
 from mtp_jax.hlo_traffic import hbm_bytes
 from mtp_jax.models import loops
-from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.causal_lm import CausalLM, apply_layer_layout
 from mtp_jax.quant import quantize_model
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.topology import Target
@@ -60,10 +60,15 @@ class RoundCost:
     ici_bytes: float
 
 
-def abstract_model(cfg: ModelConfig, dtype, rules: sharding.ShardingRules, weights: str = "auto") -> CausalLM:
+def abstract_model(
+    cfg: ModelConfig, dtype, rules: sharding.ShardingRules, weights: str = "auto", layout: str = "auto"
+) -> CausalLM:
     """The model with every parameter a `ShapeDtypeStruct` in its sharding (no memory), rules attached; its matmul
-    weights stored as `weights` says (`quant.quantize_model`)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: quantize_model(CausalLM(cfg, dtype=dtype), weights)))
+    weights stored as `weights` says (`quant.quantize_model`), its layers held as `layout` says for the rules' devices
+    (`causal_lm.apply_layer_layout`)."""
+    platform = next(iter(rules.mesh.devices.flat)).platform
+    build = lambda: apply_layer_layout(quantize_model(CausalLM(cfg, dtype=dtype), weights), layout, platform)
+    graphdef, state = nnx.split(nnx.eval_shape(build))
 
     def spec(path, leaf):
         shard = rules.param_sharding(sharding.path_names(path), leaf.shape)
