@@ -16,6 +16,7 @@ import json
 import os
 import sys
 
+from mtp_jax.config import LAYER_LAYOUTS
 from mtp_jax.decode import check_output_path, positive_int
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft", type=int, default=3, choices=range(0, 9), metavar="K")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--weights", choices=("auto", "bfloat16", "fp8", "int8"), default="auto")
+    parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
+                        help="layers as decode holds them on the target (auto: unstacked for routed experts on TPU, "
+                        "whose compile at full depth takes much longer), or stacked / unstacked")  # fmt: skip
     parser.add_argument("--acceptance", type=float_list, help="per-position acceptance A1,A2,... (default: family's)")
     parser.add_argument("--capacity-gib", type=float, help="memory per device (default: the chip's HBM)")
     parser.add_argument("--json", help="write the plan(s) as JSON here")
@@ -124,10 +128,13 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     import jax.numpy as jnp
 
     from mtp_jax import planning, sharding
+    from mtp_jax.models.causal_lm import preferred_layout
 
     rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
     dtype = jnp.dtype(args.dtype)
-    model = planning.abstract_model(cfg, dtype, rules, args.weights)
+    platform = next(iter(rules.mesh.devices.flat)).platform
+    layout = preferred_layout(cfg, platform) if args.layer_layout == "auto" else args.layer_layout
+    model = planning.abstract_model(cfg, dtype, rules, args.weights, layout)
     k = work.num_draft if cfg.has_mtp else 0
     work = dataclasses.replace(work, num_draft=k)
     state = planning.start_state(model, work, k)
@@ -140,9 +147,11 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
         write_hlo(dump_hlo, "plain_step", plain_hlo)
         if k:
             write_hlo(dump_hlo, "mtp_round", hlo)
-    costs = {"plain_step": planning.round_cost(cfg, dtype, rules, work, 0, plain_state, plain_hlo, args.weights)}
+    costs = {
+        "plain_step": planning.round_cost(cfg, dtype, rules, work, 0, plain_state, plain_hlo, args.weights, layout)
+    }
     if k:
-        costs["mtp_round"] = planning.round_cost(cfg, dtype, rules, work, k, state, hlo, args.weights)
+        costs["mtp_round"] = planning.round_cost(cfg, dtype, rules, work, k, state, hlo, args.weights, layout)
     steps = {key: {**vars(cost), "projected_ms": planning.projected_ms(cost, target)} for key, cost in costs.items()}
     floor = planning.plain_step_floor(model, plain_state)
     steps["plain_step"] |= {"floor_bytes": floor, "hbm_over_floor": steps["plain_step"]["hbm_bytes"] / floor}
@@ -162,6 +171,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
         "max_new_tokens": work.max_new_tokens,
         "num_draft": k,
         "weights": args.dtype if args.weights == "auto" else args.weights,
+        "layer_layout": layout,
         "compile_seconds": round(memory.pop("compile_seconds"), 1),
         "fits": memory.pop("fits"),
         "reason": memory.pop("reason", None),

@@ -183,7 +183,15 @@ def _cost_of(compiled) -> tuple[float, float]:
 
 
 def round_cost(
-    cfg: ModelConfig, dtype, rules, work: Workload, num_draft: int, state, hlo: str, weights: str = "auto"
+    cfg: ModelConfig,
+    dtype,
+    rules,
+    work: Workload,
+    num_draft: int,
+    state,
+    hlo: str,
+    weights: str = "auto",
+    layout: str = "auto",
 ) -> RoundCost:
     """HBM bytes, flops and interconnect bytes per device of one round at the full depth: bytes and interconnect
     bytes read off `hlo`, the round's own compiled HLO (loops rolled, bodies counted per execution:
@@ -195,7 +203,7 @@ def round_cost(
     shardings = jax.tree.map(lambda leaf: leaf.sharding, state)
 
     def flops(repeats):
-        model = abstract_model(with_segment_repeats(cfg, repeats), dtype, rules, weights)
+        model = abstract_model(with_segment_repeats(cfg, repeats), dtype, rules, weights, layout)
         compiled = compile_round(model, work, num_draft, start_state(model, work, num_draft, shardings), unroll=True)
         return _cost_of(compiled)[1]
 

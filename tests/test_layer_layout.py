@@ -1,7 +1,7 @@
 """Unstacked layers (`mtp_jax.unstack_layers`, the GPU default): each layer holds arrays of its own and the layers run
 one by one instead of a scan over stacked parameters. The model is the same one: the trunk's hidden states agree with
-the stacked model's, and greedy decoding (plain and with MTP drafts, mixed prompt lengths, EOS mid-batch) gives the
-same tokens, lengths and acceptance, for a GQA trunk, latent attention with routed experts, and a hybrid
+the stacked model's, and greedy MTP decoding (mixed prompt lengths, EOS mid-batch) gives the same tokens, lengths and
+acceptance, for a GQA trunk, latent attention with routed experts, and a hybrid
 (gated DeltaNet + gated attention) trunk."""
 
 from __future__ import annotations
@@ -55,13 +55,11 @@ def test_unstacked_layers_decode_as_stacked(name):
     ]
     np.testing.assert_allclose(hidden[1], hidden[0], rtol=1e-5, atol=1e-5)
 
-    for k in (0, 2):
-        a, b = decode(stacked, prompts, k), decode(unstacked, prompts, k)
-        np.testing.assert_array_equal(b.tokens, a.tokens, err_msg=f"k={k}")
-        np.testing.assert_array_equal(b.lengths, a.lengths, err_msg=f"k={k}")
-        np.testing.assert_array_equal(b.stats.accepted_at, a.stats.accepted_at, err_msg=f"k={k}")
-        if k:
-            assert a.stats.accepted_at[0] > 0  # drafts were accepted: the verify path ran through the layers
+    a, b = decode(stacked, prompts, 2), decode(unstacked, prompts, 2)  # drafts, verify blocks, rejections
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.lengths, a.lengths)
+    np.testing.assert_array_equal(b.stats.accepted_at, a.stats.accepted_at)
+    assert 0 < a.stats.accepted < a.stats.drafted  # drafts accepted and rejected: both verify outcomes ran
 
 
 def test_layer_layout_choice():

@@ -49,7 +49,7 @@ def expected_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_int8_model_bytes_and_logits(name):
+def test_int8_model_bytes_logits_and_lossless_mtp(name):
     reference = MODELS[name]()
     model = quant.quantize_model(MODELS[name](), "int8")
     assert quant.weight_bytes(model) == expected_bytes(reference)
@@ -65,12 +65,7 @@ def test_int8_model_bytes_and_logits(name):
     print(f"{name}: int8 logits, largest error / std of the float32 logits = {error:.4f}")
     assert 0 < error < 0.05
 
-
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_int8_mtp_greedy_equals_plain(name):
-    model = quant.quantize_model(MODELS[name](), "int8")
-    prompts = prompts_for(model)
-    plain, drafted = decode(model, prompts, 0), decode(model, prompts, 2)
+    plain, drafted = decode(model, np.asarray(prompts), 0), decode(model, np.asarray(prompts), 2)
     np.testing.assert_array_equal(drafted.tokens, plain.tokens)
     np.testing.assert_array_equal(drafted.lengths, plain.lengths)
     assert drafted.stats.accepted_at[0] > 0
