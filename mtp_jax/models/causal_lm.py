@@ -275,7 +275,8 @@ def unstack_layers(model: CausalLM) -> CausalLM:
 
 
 def preferred_layout(cfg: ModelConfig, platform: str) -> str:
-    """"unstacked" where a scan would copy layer weights every step (GPU; TPU with routed experts), else "stacked"."""
+    """The layout a model is best held in on `platform`: unstacked where a scan would copy layer weights every step
+    (GPU; TPU with routed experts), else stacked."""
     return "unstacked" if platform == "gpu" or (platform == "tpu" and cfg.moe is not None) else "stacked"
 
 
