@@ -55,6 +55,8 @@ def test_unstacked_layers_decode_as_stacked(name):
     ]
     np.testing.assert_allclose(hidden[1], hidden[0], rtol=1e-5, atol=1e-5)
 
+    if name == "gqa":  # one scanned stack: its decode path is the MLA and hybrid models' (which add experts, groups)
+        return
     a, b = decode(stacked, prompts, 2), decode(unstacked, prompts, 2)  # drafts, verify blocks, rejections
     np.testing.assert_array_equal(b.tokens, a.tokens)
     np.testing.assert_array_equal(b.lengths, a.lengths)
