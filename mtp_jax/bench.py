@@ -21,8 +21,7 @@ import time
 
 import numpy as np
 
-from mtp_jax.config import LAYER_LAYOUTS
-from mtp_jax.decode import positive_int
+from mtp_jax.decode import add_storage_arguments, positive_int
 from mtp_jax.errors import UserError, run_cli
 
 DEFAULT_PROMPTS = (
@@ -75,12 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="add an adaptive-k row with the "
                         "largest k, its round costs from the split timing (default: on with --split)")  # fmt: skip
     parser.add_argument("--mesh", help="shard ours over every device: data=D,model=M[,expert=E] or auto")
-    parser.add_argument("--weights", choices=("auto", "bfloat16", "int8"), default="auto",
-                        help="int8: matmul weights stored as int8 with per-channel scales, dequantized inside the "
-                        "step (about half the bytes of bfloat16 per step); auto: as the checkpoint loads")  # fmt: skip
-    parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
-                        help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
-                        "auto: unstacked on GPU, where a scan copies each layer's weights every step")  # fmt: skip
+    add_storage_arguments(parser)
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
     return parser

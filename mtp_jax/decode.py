@@ -60,15 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", help="shard over every device: data=D,model=M[,expert=E] or auto (all on model); "
                         "--batch-size is rounded up to a multiple of D")  # fmt: skip
     add_distributed_arguments(parser)
+    add_storage_arguments(parser)
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--stats-json", help="write decode statistics here")
+    return parser
+
+
+def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """--weights and --layer-layout: how the loaded model holds its weights (decode and bench)."""
     parser.add_argument("--weights", choices=("auto", "bfloat16", "int8"), default="auto",
                         help="int8: matmul weights stored as int8 with per-channel scales, dequantized inside the "
                         "step (about half the bytes of bfloat16 per step); auto: as the checkpoint loads")  # fmt: skip
     parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
                         help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
-                        "auto: unstacked on GPU, where a scan copies each layer's weights every step")  # fmt: skip
-    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--stats-json", help="write decode statistics here")
-    return parser
+                        "auto: unstacked where a scan copies each layer's weights every step (GPU; TPU with routed "
+                        "experts)")  # fmt: skip
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
