@@ -5,7 +5,11 @@ trunk; the plan's parameter bytes per chip are those of int8 values and float32 
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -93,3 +97,39 @@ def test_plan_counts_int8_values_and_scales_per_chip():
         expected += math.prod(shard) + 4 * math.prod(1 if i in contracted else n for i, n in enumerate(shard))
     assert planning.shard_bytes(nnx.split(int8)[1]) == expected
     assert planning.shard_bytes(nnx.split(int8)[1]) < 0.75 * planning.shard_bytes(nnx.split(bf16)[1])
+
+
+SHARDED_INT8 = """
+import jax, jax.numpy as jnp, numpy as np, json
+from flax import nnx
+import mtp_jax
+from mtp_jax import quant, sharding
+from mtp_jax.shapes import SHAPES
+cfg = SHAPES["deepseek-v3-tiny"]()
+ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 12)), jnp.int32)
+lens = jnp.array([12, 5, 9, 3], jnp.int32)
+dc = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=16, stop_on_eos=False)
+one = quant.quantize_model(mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(0)), "int8")
+mesh = sharding.make_mesh("data=2,expert=2,model=2")
+many = quant.quantize_model(sharding.shard_model(mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(0)), mesh), "int8")
+quantized = [(path, p.get_value()) for path, p in nnx.iter_graph(many) if isinstance(p, nnx.Param)]
+specs = {"/".join(map(str, path)): [list(q.values.sharding.spec), list(q.scales.sharding.spec)]
+         for path, q in quantized if isinstance(q, quant.QuantizedArray)}
+tokens = [np.asarray(mtp_jax.generate(m, ids, lens, jax.random.key(0), dc).tokens).tolist() for m in (one, many)]
+print(json.dumps({"specs": specs, "tokens": tokens}))
+"""
+
+
+def test_int8_on_a_mesh_decodes_as_one_device():
+    """DeepSeek-V3-shaped tiny model on 8 host devices (data=2,expert=2,model=2): the int8 values and scales lie as
+    their weight does (experts over expert, their width over model; the scales' contracted axes whole) and greedy MTP
+    tokens equal one device's."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", SHARDED_INT8], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["tokens"][0] == report["tokens"][1]
+    specs = report["specs"]
+    assert specs["segments/1/layers/mlp/expert_up"] == [[None, "expert", None, "model"]] * 2
+    values, scales = specs["segments/0/layers/attn/o_proj"]  # [L, N, W, D]: N, W contracted
+    assert values == [None, ["model", "expert"], None, None] and scales == [None] * 4
