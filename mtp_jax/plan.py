@@ -230,8 +230,8 @@ def number(x, digits: int = 0) -> str:
 def markdown(plans: list[dict]) -> str:
     lines = [
         "| model | topology | mesh | params GiB/chip | cache GiB/chip | other temp GiB/chip | total / capacity GiB "
-        "| fits | collectives per round (largest) | plain ms | MTP ms | plain tok/s | MTP tok/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fits | collectives per round (largest) | plain ms | MTP ms | plain tok/s | MTP tok/s | HBM / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in plans:
         mem, tps = p["per_chip_bytes"], p["projected_tokens_per_second"]
@@ -243,6 +243,7 @@ def markdown(plans: list[dict]) -> str:
             f"{gib(mem['total'])} / {gib(mem['capacity'])}", "yes" if p["fits"] else "no",
             f"{sum(c['count'] for c in rounds)}{largest}", number(p["plain_step"]["projected_ms"], 2),
             number(p.get("mtp_round", {}).get("projected_ms"), 2), number(tps["plain"]), number(tps["mtp"]),
+            number(p["plain_step"]["hbm_over_floor"], 2),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
