@@ -181,8 +181,8 @@ def memory_capacity(model) -> tuple[int | None, str]:
     return ram // local, "this machine's RAM" + (f" shared by {local} devices" if local > 1 else "")
 
 
-ROW_SETTINGS = ("model", "head", "dtype", "no_mtp", "num_draft", "adaptive", "round_costs", "temperature", "top_p",
-                "top_k", "max_new_tokens", "seed", "no_chat")  # fmt: skip
+ROW_SETTINGS = ("model", "head", "dtype", "weights", "no_mtp", "num_draft", "adaptive", "round_costs", "temperature",
+                "top_p", "top_k", "max_new_tokens", "seed", "no_chat")  # fmt: skip
 
 
 class RowOutput:
@@ -209,8 +209,8 @@ class RowOutput:
             raise UserError(f"{partials[0]} holds the finished rows of an unfinished run: --resume continues it "
                             "(same settings); remove it to start over")  # fmt: skip
         if partials and self.partial not in partials:
-            raise UserError(f"--resume: {partials[0]} was written with other settings (model, head, dtype, drafts, "
-                            "sampling, budget, seed or chat): rerun with those, or remove it")  # fmt: skip
+            raise UserError(f"--resume: {partials[0]} was written with other settings (model, head, dtype, weights, "
+                            "drafts, sampling, budget, seed or chat): rerun with those, or remove it")  # fmt: skip
         source = self.partial if partials else self.out if args.resume and os.path.isfile(self.out) else None
         rows, size = read_rows(source, prompts) if source else ([], 0)
         self.file = os.fdopen(os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o666), "r+b")
