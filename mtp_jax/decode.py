@@ -73,8 +73,8 @@ def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
                         "step (about half the bytes of bfloat16 per step); auto: as the checkpoint loads")  # fmt: skip
     parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
                         help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
-                        "auto: unstacked where a scan copies each layer's weights every step (GPU; TPU with routed "
-                        "experts)")  # fmt: skip
+                        "auto: unstacked where a scan copies each layer's weights every step (GPU), else "
+                        "stacked")  # fmt: skip
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--weights", choices=("auto", "bfloat16", "fp8", "int8"), default="auto")
     parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
-                        help="layers as decode holds them on the target (auto: unstacked for routed experts on TPU, "
-                        "whose compile at full depth takes much longer), or stacked / unstacked")  # fmt: skip
+                        help="layers as decode holds them on the target (auto: stacked on TPU, unstacked on GPU), "
+                        "or stacked / unstacked")  # fmt: skip
     parser.add_argument("--acceptance", type=float_list, help="per-position acceptance A1,A2,... (default: family's)")
     parser.add_argument("--capacity-gib", type=float, help="memory per device (default: the chip's HBM)")
     parser.add_argument("--json", help="write the plan(s) as JSON here")
@@ -133,7 +133,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
     dtype = jnp.dtype(args.dtype)
     platform = next(iter(rules.mesh.devices.flat)).platform
-    layout = preferred_layout(cfg, platform) if args.layer_layout == "auto" else args.layer_layout
+    layout = preferred_layout(platform) if args.layer_layout == "auto" else args.layer_layout
     model = planning.abstract_model(cfg, dtype, rules, args.weights, layout)
     k = work.num_draft if cfg.has_mtp else 0
     work = dataclasses.replace(work, num_draft=k)

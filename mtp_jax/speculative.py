@@ -188,7 +188,9 @@ class _Round:
         target probabilities [B, j+1, V] or None when greedy)."""
         inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, j+1]
         positions = s.position[:, None] + jnp.arange(self.k + 1)
-        hidden, cache = self.model.trunk(inputs, positions, cache, every_state=True)
+        # A plain step (no drafts) keeps its one state; a verify block every position's, until acceptance is known.
+        recurrent = "every_state" if self.k else "last_state"
+        hidden, cache = self.model.trunk(inputs, positions, cache, recurrent=recurrent)
         logits = self.model.logits(hidden)  # [B, j+1, V]
         if self.sampling is None:
             accepted, token = greedy_accept(drafts, logits)
@@ -212,8 +214,8 @@ class _Round:
         else:
             drafts, draft_probs, mtp_cache = jnp.zeros((batch, 0), jnp.int32), None, None
         accepted, token, hidden, cache, target_probs = self.verify(s, drafts, draft_probs, s.cache)
-        # Recurrent states roll back by selection: each row keeps the state after its last accepted input.
-        cache = self.model.keep_verified(s.cache, cache, accepted, active)
+        if k:  # recurrent states roll back by selection: each row keeps the state after its last accepted input
+            cache = self.model.keep_verified(s.cache, cache, accepted, active)
 
         # Tokens this round emits: d_1..d_a then the target's token; clipped at EOS and at the budget.
         slot = jnp.arange(k + 1)

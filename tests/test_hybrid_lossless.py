@@ -80,7 +80,7 @@ def test_kept_state_after_a_verify_block_equals_prefill_state(model):
         positions = jnp.broadcast_to(jnp.arange(prompts.shape[1]), prompts.shape)
         _, cache = model.trunk(prompts, positions, model.new_cache(len(lens), slots), lengths=lens)
         block_positions = lens[:, None] + jnp.arange(block)
-        _, verified = model.trunk(tokens, block_positions, cache, every_state=True)
+        _, verified = model.trunk(tokens, block_positions, cache, recurrent="every_state")
         return cache, model.keep_verified(cache, verified, accepted, active)
 
     before, kept = run(PROMPTS, PROMPT_LENS, tokens)

@@ -16,7 +16,7 @@ from flax import nnx
 import mtp_jax
 from checkpoints_convert.hf_config import model_config_from_hf
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK
-from mtp_jax.models.moe import MoE
+from mtp_jax.models.moe import DENSE_EXPERT_ROWS, MoE, routed_experts
 from tests.long_cache import check_logits_after_a_long_cache
 from tests.moe_models import FAMILIES, MOE_SHAPE, hf_config, random_hf_model
 
@@ -210,14 +210,38 @@ def _equations(jaxpr):
                     yield from _equations(inner)
 
 
-def test_experts_run_as_grouped_matmuls():
-    """Routed rows go through `ragged_dot` (one grouped matmul per projection), never a dense product with every
-    expert's weights."""
+def _primitives(moe: MoE, rows: int) -> list:
+    return list(_equations(jax.make_jaxpr(lambda x: moe(x))(jnp.ones((1, rows, moe.expert_gate.shape[1]))).jaxpr))
+
+
+def test_large_passes_run_experts_as_grouped_matmuls():
+    """A pass of more than DENSE_EXPERT_ROWS rows (a prefill) sends each routed row through its own experts with
+    `ragged_dot` (one grouped matmul per projection), never a dense product with every expert's weights; a smaller
+    pass (a decode step) runs the dense product and no grouped matmul."""
     cfg = model_config_from_hf(hf_config("glm4_moe").to_dict())
     moe = MoE(cfg, dtype=jnp.float32, rngs=None)  # zero weights: only the traced program matters
-    equations = list(_equations(jax.make_jaxpr(lambda x: moe(x))(jnp.ones((2, 3, cfg.hidden_size))).jaxpr))
-    assert [e.primitive.name for e in equations].count("ragged_dot_general") == 3
     expert_shapes = {moe.expert_gate.shape, moe.expert_up.shape, moe.expert_down.shape}
-    for e in equations:
+    large = _primitives(moe, DENSE_EXPERT_ROWS + 1)
+    assert [e.primitive.name for e in large].count("ragged_dot_general") == 3
+    for e in large:
         if e.primitive.name == "dot_general":
             assert not {tuple(v.aval.shape) for v in e.invars} & expert_shapes, e
+    small = _primitives(moe, DENSE_EXPERT_ROWS)
+    assert "ragged_dot_general" not in [e.primitive.name for e in small]
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_every_expert_pass_equals_grouped_pass(first):
+    """Both ways of running the routed experts give the same outputs, rows picking another shard's experts (ids
+    outside first .. first + E - 1) included: a large pass (grouped) against its rows in small passes (dense)."""
+    experts, d, f, picks, rows = 6, 16, 8, 3, DENSE_EXPERT_ROWS + 40
+    keys = jax.random.split(jax.random.key(first), 6)
+    x = jax.random.normal(keys[0], (rows, d))
+    weights = jax.random.uniform(keys[1], (rows, picks))
+    ids = jax.random.randint(keys[2], (rows, picks), 0, experts + 4)  # global ids; this shard holds first .. first+5
+    gate, up = (jax.random.normal(k, (experts, d, f)) / 4 for k in keys[3:5])
+    down = jax.random.normal(keys[5], (experts, f, d)) / 3
+    grouped = routed_experts(x, weights, ids, gate, up, down, first)
+    halves = [routed_experts(x[s], weights[s], ids[s], gate, up, down, first) for s in np.split(np.arange(rows), 2)]
+    chex.assert_trees_all_close(jnp.concatenate(halves), grouped, **TOL)
+    assert float(jnp.abs(grouped).max()) > 0.1

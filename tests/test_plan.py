@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtp_jax import hlo_traffic, planning, shapes, sharding, topology
+from mtp_jax import hlo_text, hlo_traffic, planning, shapes, sharding, topology
 from mtp_jax.config import MoeConfig
 from mtp_jax.errors import UserError
 from mtp_jax.hlo_collectives import array_bytes, collectives
@@ -271,8 +272,9 @@ def wide_moe(family: str):
 @pytest.mark.parametrize("family", ["deepseek"])  # softmax routing: the same expert path (tests/test_sharding.py)
 def test_moe_round_moves_activations_not_expert_weights(family, monkeypatch):
     """Compiled for 4 TPU v5p chips with the experts split 4 ways, no collective of an MTP round moves more than 1%
-    of a chip's parameter bytes. Left to XLA's partitioner (the single-device expert path, forced here), the same
-    round all-gathers whole expert tensors every layer: the check catches it."""
+    of a chip's parameter bytes, whether its passes run every expert (small passes, the default here) or grouped
+    matmuls (forced). Left to XLA's partitioner (the single-device grouped path, forced here), the same round
+    all-gathers whole expert tensors every layer: the check catches it."""
     target = topology.resolve("v5p:2x2x1")
     rules = sharding.ShardingRules(sharding.make_mesh("data=1,expert=4,model=1", target.devices))
     work = planning.Workload(batch=8, prompt_len=16, max_new_tokens=32, num_draft=3)
@@ -285,7 +287,50 @@ def test_moe_round_moves_activations_not_expert_weights(family, monkeypatch):
         return max(max(c.operand_bytes, c.result_bytes) for c in found)
 
     assert largest_moved() < planning.PARAM_SIZED * params
+    monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 0)
+    jax.clear_caches()
+    assert largest_moved() < planning.PARAM_SIZED * params
     monkeypatch.setattr(moe_module, "_expert_parallel", lambda *args: None)
     jax.clear_caches()
     expert_tensor = 32 * 512 * 256 * 2  # one layer's [E, D, F] in bfloat16
     assert largest_moved() >= expert_tensor
+
+
+def materialized(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
+    """Instructions of a compiled program that write a buffer of one of these array shapes (a leading axis of size 1
+    ignored): those outside fused computations, other than parameters and tuple plumbing."""
+    bodies, _ = hlo_text.computations(hlo)
+    tables = {name: hlo_text.instructions(lines) for name, lines in bodies.items()}
+    fusions = [rest for table in tables.values() for _, op, rest in table.values() if op == "fusion"]
+    fused = {callee for rest in fusions for callee in re.findall(r"calls=%?([\w.\-]+)", rest)}
+    plumbing = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional", "copy-done"}
+    found = []
+    for name, table in tables.items():
+        for instruction, (result, op, _) in table.items():
+            dims = [tuple(int(d) for d in filter(None, m.split(","))) for m in re.findall(r"\[([0-9,]*)\]", result)]
+            written = any((d[1:] if d[:1] == (1,) else d) in shapes for d in dims)
+            if name not in fused and op not in plumbing and written:
+                found.append(f"{op} {instruction}: {result[:80]}")
+    return found
+
+
+def test_small_moe_passes_read_stacked_expert_weights_in_place(monkeypatch):
+    """With stacked layers, a plain step that runs every expert (a small pass) reads each routed-expert weight where
+    it lies in the [L, E, ...] stack: no instruction writes a layer's expert weight anywhere. Forced to grouped
+    matmuls, whose operand is first copied out of the stack, the same step does: the check catches it."""
+    target = topology.resolve("v5p:2x2x1")
+    rules = sharding.ShardingRules(sharding.make_mesh("data=1,expert=4,model=1", target.devices))
+    work = planning.Workload(batch=8, prompt_len=16, max_new_tokens=32, num_draft=3)
+    cfg = wide_moe("deepseek")
+    model = planning.abstract_model(cfg, jnp.bfloat16, rules, layout="stacked")
+    local, d, f = cfg.moe.num_experts // 4, cfg.hidden_size, cfg.moe.expert_intermediate_size
+    state = planning.start_state(model, work, 0)
+
+    def expert_copies():
+        _, hlo = planning.compile_rolled_round(model, work, 0, state)
+        return materialized(hlo, {(local, d, f), (local, f, d)})
+
+    assert expert_copies() == []
+    monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 0)
+    jax.clear_caches()
+    assert expert_copies()

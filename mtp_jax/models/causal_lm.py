@@ -58,9 +58,9 @@ class LayerStack(nnx.Module):
         """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
         return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype)
 
-    def __call__(self, x, positions, rope, cache, lengths=None, every_state: bool = False, visible_from=None):
+    def __call__(self, x, positions, rope, cache, lengths=None, recurrent: str = "chunked", visible_from=None):
         """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`).
-        `lengths` and `every_state` concern recurrent layers only (models/hybrid_stack.py): attention caches roll
+        `lengths` and `recurrent` concern recurrent layers only (models/hybrid_stack.py): attention caches roll
         back by length. `visible_from` [B]: cache slots before it are not attended to (None: all are)."""
         past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
 
@@ -174,26 +174,28 @@ class CausalLM(nnx.Module):
         positions: jax.Array,  # [B, T]
         cache,
         lengths: jax.Array | None = None,  # [B] valid tokens of right-padded rows (prefill); None: all T
-        every_state: bool = False,
+        recurrent: str = "chunked",
     ) -> tuple[jax.Array, object]:
         """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries.
 
-        Recurrent (gated DeltaNet) states end after each row's `lengths` tokens; with `every_state` (a verify
-        block) they are kept after every position instead, until `keep_verified` picks one per row. Attention
-        caches ignore both (they roll back by length)."""
+        Recurrent (gated DeltaNet) states, by the `recurrent` form (models/hybrid_stack.py): "chunked" (prefill)
+        ends each row after its `lengths` tokens; "every_state" (a verify block) keeps the state after every
+        position until `keep_verified` picks one per row; "last_state" (a plain decode step) ends after the block.
+        Attention caches ignore both (they roll back by length)."""
         with jax.named_scope("trunk"):
             x, rope = self.embed_tokens(tokens), self.rope(positions)
             caches = (cache,) if len(self.segments) == 1 else cache
             updated = []
             for i, (segment, segment_cache) in enumerate(zip(self.segments, caches, strict=True)):
                 with jax.named_scope(f"segment_{i}"):
-                    x, segment_cache = segment(x, positions, rope, segment_cache, lengths, every_state)
+                    x, segment_cache = segment(x, positions, rope, segment_cache, lengths, recurrent)
                 updated.append(segment_cache)
             return self.final_norm(x), (updated[0] if len(updated) == 1 else tuple(updated))
 
     def keep_verified(self, before, after, accepted: jax.Array, active: jax.Array):
-        """The trunk cache after a verify block run with `every_state`: recurrent states as after block position
-        accepted[b] ([B] int) of each row, rows not active ([B] bool) as `before`; attention caches as `after`."""
+        """The trunk cache after a verify block run with recurrent="every_state": recurrent states as after block
+        position accepted[b] ([B] int) of each row, rows not active ([B] bool) as `before`; attention caches as
+        `after`."""
         if not self.config.is_hybrid:
             return after
         pairs = [(before, after)] if len(self.segments) == 1 else list(zip(before, after, strict=True))
@@ -274,10 +276,10 @@ def unstack_layers(model: CausalLM) -> CausalLM:
     return model
 
 
-def preferred_layout(cfg: ModelConfig, platform: str) -> str:
-    """The layout a model is best held in on `platform`: unstacked where a scan would copy layer weights every step
-    (GPU; TPU with routed experts), else stacked."""
-    return "unstacked" if platform == "gpu" or (platform == "tpu" and cfg.moe is not None) else "stacked"
+def preferred_layout(platform: str) -> str:
+    """The layout layers are best held in on `platform`: unstacked where a scan would copy layer weights every step
+    (GPU, before its library matmuls), else stacked (one compiled layer body)."""
+    return "unstacked" if platform == "gpu" else "stacked"
 
 
 def apply_layer_layout(model: CausalLM, layout: str = "auto", platform: str | None = None) -> CausalLM:
@@ -286,5 +288,5 @@ def apply_layer_layout(model: CausalLM, layout: str = "auto", platform: str | No
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer layout {layout!r}: expected one of {', '.join(LAYER_LAYOUTS)}")
     if layout == "auto":
-        layout = preferred_layout(model.config, platform or jax.default_backend())
+        layout = preferred_layout(platform or jax.default_backend())
     return unstack_layers(model) if layout == "unstacked" else model

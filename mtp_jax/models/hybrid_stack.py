@@ -2,9 +2,10 @@
 layer) repeated R times, with the parameters of each layer of the group stacked over the repeats and one
 `lax.scan` over the repeats, so a 48- or 64-layer trunk compiles one group body.
 
-A DeltaNet layer runs in one of two modes, chosen by the caller of the trunk:
-  prefill (chunked delta rule): each row's state after its own last valid token (`lengths`, right-padded rows);
-  verify (recurrent, `every_state`): the state after every block position, for `GroupCache.keep_verified`.
+A DeltaNet layer runs in one of three forms (`RECURRENT_FORMS`), chosen by the caller of the trunk:
+  "chunked" (prefill; chunked delta rule): each row's state after its own last valid token (`lengths`);
+  "every_state" (verify; recurrent): the state after every block position, for `GroupCache.keep_verified`;
+  "last_state" (plain decode step; recurrent): the state after the block's last token, written back at once.
 Attention layers write their keys and values at their positions as in models/causal_lm.py's LayerStack.
 """
 
@@ -25,6 +26,7 @@ from mtp_jax.models.moe import MoE
 from mtp_jax.models.softmax_moe import SoftmaxMoE
 from mtp_jax.sharding import HIDDEN, constrain
 
+RECURRENT_FORMS = ("chunked", "every_state", "last_state")
 MLP_BLOCKS = {"dense": SwiGLU, "moe": MoE, "softmax_moe": SoftmaxMoE}
 
 
@@ -37,15 +39,18 @@ class DeltaNetLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, state: DeltaNetState, lengths, every_state: bool) -> tuple[jax.Array, DeltaNetState]:
-        """x [B, T, D] -> (x, the state after each row's `lengths` tokens, or after every position [B, T, ...])."""
+    def __call__(self, x, state: DeltaNetState, lengths, recurrent: str) -> tuple[jax.Array, DeltaNetState]:
+        """x [B, T, D] -> (x, the state `recurrent` names: after each row's `lengths` tokens ("chunked"), after
+        every position [B, T, ...] ("every_state"), after the last position ("last_state"))."""
         x = constrain(x, HIDDEN)
         normed = self.input_norm(x)
         with jax.named_scope("attention"):
-            if every_state:
-                out, state = self.attn.verify(normed, state)
-            else:
+            if recurrent == "chunked":
                 out, state = self.attn.prefill(normed, state, lengths)
+            else:
+                out, state = self.attn.verify(normed, state)
+                if recurrent == "last_state":
+                    state = jax.tree.map(lambda per_position: per_position[:, -1], state)  # [B, T, ...] -> [B, ...]
         x = x + constrain(out, HIDDEN)
         with jax.named_scope("mlp"):
             x = x + constrain(self.mlp(self.post_attention_norm(x)), HIDDEN)
@@ -99,9 +104,11 @@ class GroupStack(nnx.Module):
         )
         return GroupCache(members=members).constrained()
 
-    def __call__(self, x, positions, rope, cache: GroupCache, lengths=None, every_state: bool = False):
+    def __call__(self, x, positions, rope, cache: GroupCache, lengths=None, recurrent: str = "chunked"):
         """x [B, T, D] through every repeat of the group; returns (x, the cache after these tokens: attention entries
-        written at `positions`, DeltaNet states as the mode gives them)."""
+        written at `positions`, DeltaNet states as the `recurrent` form gives them)."""
+        if recurrent not in RECURRENT_FORMS:
+            raise ValueError(f"recurrent form {recurrent!r}: expected one of {', '.join(RECURRENT_FORMS)}")
         past = cache.constrained().members
         # DeltaNet states are scanned over (each repeat reads its whole state); attention caches are read in place.
         deltanet = [kind.attention == "deltanet" for kind in self.kinds]
@@ -112,7 +119,7 @@ class GroupStack(nnx.Module):
             for j, (kind, layer) in enumerate(zip(self.kinds, layers, strict=True)):
                 with jax.named_scope(f"layer_{j}"):
                     if kind.attention == "deltanet":
-                        x, state = layer(x, repeat_states[j], lengths, every_state)
+                        x, state = layer(x, repeat_states[j], lengths, recurrent)
                         new.append(state)
                     else:
                         keys, values = LayerSlots(past[j].k, repeat), LayerSlots(past[j].v, repeat)
@@ -141,4 +148,4 @@ class GroupStack(nnx.Module):
                 k, v = entry
                 members.append(KVCache(k=write_slots(old.k, k, positions), v=write_slots(old.v, v, positions)))
         updated = GroupCache(members=tuple(members))
-        return x, (updated if every_state else updated.constrained())
+        return x, (updated if recurrent == "every_state" else updated.constrained())

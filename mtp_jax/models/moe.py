@@ -1,10 +1,13 @@
 """Routed mixture of experts (DeepSeek-V3 / GLM-4.5) with shared experts.
 
 Routing: sigmoid scores; the correction bias shifts which experts are picked but not their weights; only experts
-in the `topk_groups` best groups compete (a group scores the sum of its two best). Experts run only on the rows
-routed to them: the (token, pick) rows are sorted by expert and each projection is one grouped matmul
-(`jax.lax.ragged_dot`, group sizes = rows per expert); the outputs are put back in token order and summed with
-their routing weights. Shared experts (a plain SwiGLU) see every token.
+in the `topk_groups` best groups compete (a group scores the sum of its two best). In a large pass (a prefill) experts
+run only on the rows routed to them: the (token, pick) rows are sorted by expert and each projection is one grouped
+matmul (`jax.lax.ragged_dot`, group sizes = rows per expert); the outputs are put back in token order and summed
+with their routing weights. A small pass (a decode step or a verify block, at most DENSE_EXPERT_ROWS rows) runs
+every expert on every row and weights each output by the row's routing (zero for experts it did not pick): reading
+the weights costs it as much time as the extra flops, and plain dots read a stacked layer's weights where they
+lie. Shared experts (a plain SwiGLU) see every token.
 
 On a mesh whose rules split the expert weights (experts over `expert`, their width over `model`), the weights stay
 where they live and the tokens go to them: inside `jax.shard_map` every expert shard sees all the rows of its data
@@ -26,6 +29,11 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers import SwiGLU, _init
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # [E, D, F], [E, D, F], [E, F, D]
+# Passes of at most this many rows (decode steps, verify blocks) run every expert on every row: a weight element
+# then costs 2 * M flops per 2 bytes read, under every accelerator's flops-to-bandwidth ratio (about 160 to 300), so
+# the pass takes the time of reading the weights it needs anyway, and its matmuls are plain dots that read a
+# stacked layer's weights in place (a grouped matmul's operand is first copied out of the stack).
+DENSE_EXPERT_ROWS = 128
 
 
 def routed_experts(
@@ -46,6 +54,8 @@ def routed_experts(
     """
     picks, local = experts.shape[1], gate.shape[0]
     ids = experts - first  # [M, O] local expert ids
+    if x.shape[0] <= DENSE_EXPERT_ROWS:
+        return _every_expert(x, weights, ids, gate, up, down, down_dtype)
     mine = (ids >= 0) & (ids < local)
     flat = jnp.where(mine, ids, local).reshape(-1)  # [M * O]; other shards' rows get id E: sorted last, no group
     order = jnp.argsort(flat)  # rows sorted by expert (stable)
@@ -56,6 +66,15 @@ def routed_experts(
     out = jnp.zeros_like(out).at[order].set(out).reshape(experts.shape + out.shape[-1:])  # [M, O, D]
     out = jnp.where(mine[..., None], out, 0)  # rows past the groups: ragged_dot leaves them unspecified
     return jnp.einsum("MOD,MO->MD", out.astype(jnp.float32), weights)
+
+
+def _every_expert(x, weights, ids, gate, up, down, down_dtype) -> jax.Array:
+    """`routed_experts` for a small pass: every local expert on every row [M, D], each output weighted by what
+    the row's picks give that expert (zero where none picks it; ids [M, O] local, out of range for other shards)."""
+    mix = jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, gate.shape[0], dtype=jnp.float32))  # [M, E]
+    hidden = jax.nn.silu(jnp.einsum("MD,EDF->MEF", x, gate)) * jnp.einsum("MD,EDF->MEF", x, up)  # [M, E, F]
+    out = jnp.einsum("MEF,EFD->MED", hidden, down, preferred_element_type=down_dtype)  # [M, E, D]
+    return jnp.einsum("MED,ME->MD", out.astype(jnp.float32), mix)
 
 
 def _mesh_axes(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
