@@ -13,11 +13,12 @@ import os
 from collections.abc import Callable, Iterator
 
 import jax
-import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from checkpoints_convert.errors import ConversionError
+from checkpoints_convert.fp8 import Fp8BlockSource, scale_index
 from checkpoints_convert.hf_config import model_config_from_hf
 from checkpoints_convert.key_table import (
     DECODER_LAYER,
@@ -40,6 +41,7 @@ from checkpoints_convert.writer import write_folder
 from mtp_jax.checkpoint import CONFIG_FILE
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.quant import fp8_blocks, matmul_axes
 
 PARAMS_DIR = "params"
 REPORT_FILE = "conversion.json"
@@ -153,23 +155,34 @@ class ParamReader:
     """One parameter, read from its checkpoint tensors whole or block by block (their shapes already checked).
 
     tensors: (HF name, target) for every slot of the leading stacked axes (one entry, index (), when unstacked).
+    fp8_blocks: for a parameter whose every tensor is stored fp8 with block scales, the per-axis sizes of the boxes
+    one of our scales covers (`mtp_jax.quant.fp8_blocks`, 1 on stacked axes); None otherwise.
     """
 
     source: CheckpointSource
     shape: tuple[int, ...]
     dtype: np.dtype
     tensors: tuple[tuple[str, Target], ...]
+    fp8_blocks: tuple[int, ...] | None = None
 
-    def read(self, on_tensor: Callable[[str], None] | None = None) -> np.ndarray:
-        """The whole parameter as a host array."""
-        return self.read_blocks([tuple(slice(0, n) for n in self.shape)], on_tensor)[0]
+    def part_shape(self, part: str) -> tuple[int, ...]:
+        if part != "scales":
+            return self.shape
+        return tuple(n // b for n, b in zip(self.shape, self.fp8_blocks, strict=True))
+
+    def read(self, on_tensor: Callable[[str], None] | None = None, part: str = "dense") -> np.ndarray:
+        """The whole parameter (or `part` of it) as a host array."""
+        return self.read_blocks([tuple(slice(0, n) for n in self.part_shape(part))], on_tensor, part)[0]
 
     def read_blocks(
-        self, blocks: list[tuple[slice, ...]], on_tensor: Callable[[str], None] | None = None
+        self, blocks: list[tuple[slice, ...]], on_tensor: Callable[[str], None] | None = None, part: str = "dense"
     ) -> list[np.ndarray]:
-        """Host arrays for `blocks` (unit-step slices, one per axis), reading each tensor once. A block that is a
-        device's shard copies only its part of each (memory-mapped) tensor."""
-        outs = [np.empty([s.stop - s.start for s in block], self.dtype) for block in blocks]
+        """Host arrays for `blocks` (unit-step slices, one per axis) of the parameter or of `part` of it ("dense":
+        the values in the model's dtype, fp8 ones dequantized; "values", "scales": an fp8 parameter as stored),
+        reading each tensor once. A block that is a device's shard copies only its part of each (memory-mapped)
+        tensor."""
+        dtype = {"dense": self.dtype, "values": np.dtype(ml_dtypes.float8_e4m3fn), "scales": np.dtype(np.float32)}
+        outs = [np.empty([s.stop - s.start for s in block], dtype[part]) for block in blocks]
         for name, target in self.tensors:
             depth = len(target.index)
             value = None
@@ -178,12 +191,23 @@ class ParamReader:
                 if not all(s.start <= i < s.stop for i, s in zip(target.index, lead, strict=True)):
                     continue
                 if value is None:
-                    value = target.transform(weight(self.source, name), self.shape[depth:])
+                    value = self._tensor(name, target, part)
                 at = tuple(i - s.start for i, s in zip(target.index, lead, strict=True))
-                out[at] = value[block[depth:]].astype(self.dtype)
+                out[at] = value[block[depth:]].astype(dtype[part])
             if on_tensor is not None:
                 on_tensor(name)
         return outs
+
+    def _tensor(self, name: str, target: Target, part: str) -> np.ndarray:
+        """One checkpoint tensor in our layout: the whole of this slot of `part`."""
+        own = self.shape[len(target.index) :]
+        if part == "dense":
+            return target.transform(weight(self.source, name), own)
+        stored, scale_inv = self.source.read_quantized(name)
+        if part == "values":
+            return target.transform(stored, own)
+        blocks = self.fp8_blocks[len(target.index) :]
+        return scale_inv.reshape(-1)[scale_index(stored.shape, self.source.block, target.transform, own, blocks)]
 
 
 def weight(source: CheckpointSource, name: str) -> np.ndarray:
@@ -218,8 +242,24 @@ def param_readers(
             if got != want:
                 raise ConversionError(f"shape mismatch for {name}: checkpoint has {got}, model expects {want}")
         # the model's dtype, except float32 router biases
-        readers[path] = ParamReader(source, tuple(spec.shape), np.dtype(spec.dtype), tuple(by_path[path]))
+        tensors = tuple(by_path[path])
+        blocks = _fp8_blocks(path, spec, tensors, source)
+        readers[path] = ParamReader(source, tuple(spec.shape), np.dtype(spec.dtype), tensors, blocks)
     return readers, plan
+
+
+def _fp8_blocks(path: ParamPath, spec, tensors, source: CheckpointSource) -> tuple[int, ...] | None:
+    """`ParamReader.fp8_blocks` of the parameter at `path`: its scale boxes where every tensor is stored fp8 and the
+    parameter is a matmul weight; None where none is. A matmul weight stored partly fp8, or an fp8 tensor where no
+    matmul weight is, is refused."""
+    quantized = [isinstance(source, Fp8BlockSource) and source.is_quantized(name) for name, _ in tensors]
+    if not any(quantized):
+        return None
+    axes = matmul_axes(path, len(spec.shape))
+    if axes is None or not all(quantized):
+        where = "a parameter that is no matmul weight" if axes is None else "a weight whose other slots are not"
+        raise ConversionError(f"{tensors[quantized.index(True)][0]} is stored fp8 for {where} ({'/'.join(path)})")
+    return fp8_blocks(spec.shape, *axes, block=source.block)
 
 
 def convert_params(

@@ -8,6 +8,8 @@ Every other tensor (bf16 embeddings, norms, router, ...) passes through untouche
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -46,6 +48,28 @@ def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
     return weight.astype(np.float32) * scales[:rows, :cols]
 
 
+@functools.lru_cache(maxsize=64)
+def scale_index(
+    hf_shape: tuple[int, int], block: tuple[int, int], transform, own_shape: tuple[int, ...], blocks: tuple[int, ...]
+) -> np.ndarray:
+    """Where each scale of our layout comes from: for a weight stored [out, in] with scale blocks `block`, and laid
+    out as ours by `transform` (shape `own_shape`) with per-axis scale blocks `blocks` (mtp_jax.quant.fp8_blocks),
+    the flat index into scale_inv [ceil(out / b0), ceil(in / b1)] of every box, [own_shape[i] // blocks[i]]. Refused
+    when a box of ours straddles two checkpoint blocks (a layout the blocks do not follow)."""
+    columns = -(-hf_shape[1] // block[1])
+    rows, cols = np.arange(hf_shape[0], dtype=np.int32), np.arange(hf_shape[1], dtype=np.int32)
+    ids = transform((rows[:, None] // block[0]) * columns + cols[None, :] // block[1], own_shape)  # own_shape
+    first = ids[tuple(slice(None, None, b) for b in blocks)]
+    expanded = first
+    for axis, b in enumerate(blocks):
+        expanded = np.repeat(expanded, b, axis=axis)
+    if not np.array_equal(expanded, ids):
+        raise ConversionError(
+            f"fp8 blocks {block} of a {hf_shape} weight do not map onto boxes {blocks} of its {own_shape} layout"
+        )
+    return first
+
+
 class Fp8BlockSource(CheckpointSource):
     """A checkpoint source whose fp8 weights read as their float32 dequantized values; scale tensors are consumed
     with their weights and not listed."""
@@ -71,20 +95,31 @@ class Fp8BlockSource(CheckpointSource):
         return self.inner.shape(name)
 
     def read(self, name: str) -> np.ndarray:
-        weight = self.inner.read(name)
-        scale_name = name + SCALE_SUFFIX
-        if scale_name not in self._scales:
+        stored = self.read_quantized(name)
+        if stored is None:
+            weight = self.inner.read(name)
             if weight.dtype in FP8_DTYPES:
-                raise ConversionError(f"fp8 tensor {name} has no {scale_name}")
+                raise ConversionError(f"fp8 tensor {name} has no {name + SCALE_SUFFIX}")
             return weight
+        return dequantize(*stored, self.block)
+
+    def is_quantized(self, name: str) -> bool:
+        return name + SCALE_SUFFIX in self._scales
+
+    def read_quantized(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(fp8 weight [out, in], float32 scale_inv [ceil(out / b0), ceil(in / b1)]) as stored, shapes checked;
+        None for a tensor stored unquantized."""
+        if not self.is_quantized(name):
+            return None
+        weight, scale_name = self.inner.read(name), name + SCALE_SUFFIX
         scale_inv = self.inner.read(scale_name)
         expected = tuple(-(-n // b) for n, b in zip(weight.shape, self.block, strict=False))
-        if weight.ndim != 2 or scale_inv.shape != expected:
+        if weight.ndim != 2 or weight.dtype not in FP8_DTYPES or scale_inv.shape != expected:
             raise ConversionError(
-                f"fp8 scale {scale_name} has shape {scale_inv.shape}; weight {weight.shape} with blocks "
-                f"{self.block} needs {expected}"
+                f"fp8 scale {scale_name} has shape {scale_inv.shape}; weight {weight.shape} ({weight.dtype}) with "
+                f"blocks {self.block} needs an fp8 weight and scales {expected}"
             )
-        return dequantize(weight, scale_inv, self.block)
+        return weight, scale_inv.astype(np.float32)
 
     def load_tokenizer(self):
         return self.inner.load_tokenizer()

@@ -20,10 +20,11 @@ MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", *VLM_MODEL_TYPE
 
 # The VLM wrapper's own fields: the vision tower and its special tokens do not change text decoding
 # (`language_model_only`: vLLM's switch to skip the vision tower, which the text path never reads anyway).
+# `quantization_config` (fp8 releases put it here) is read by the checkpoint source (checkpoints_convert/fp8.py).
 VLM_KEYS = frozenset(
     {"text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
      "vision_end_token_id", "tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
-     "language_model_only"}
+     "language_model_only", "quantization_config"}
 )  # fmt: skip
 
 HYBRID_KEYS = (HANDLED_KEYS - {"num_nextn_predict_layers", "sliding_window"}) | {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 import typing
@@ -16,7 +17,7 @@ from checkpoints_convert.errors import ConversionError
 from checkpoints_convert.source import read_json_object
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
-from mtp_jax.quant import quantize_model
+from mtp_jax.quant import QuantizedArray, quantize_model
 from mtp_jax.sharding import ShardingRules, place, rules_for
 
 
@@ -140,18 +141,26 @@ def load(
     model, or an `mtp_head/` folder inside the model folder, is attached when present (`default_head=False`: not;
     e.g. to train a new head on the bare trunk).
 
-    `weights`: "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel scales, dequantized
-    inside the jitted step (`mtp_jax.quant`); "auto" / "bfloat16": as loaded in `dtype`.
+    `weights` (`mtp_jax.quant`): "auto" keeps the weights as the checkpoint ships them (fp8 with block scales stays
+    fp8, dequantized inside the jitted step; the rest in `dtype`); "bfloat16" dequantizes everything into `dtype`;
+    "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel scales; "fp8" keeps an fp8
+    checkpoint as shipped and stores every matmul weight of any other as fp8 with 128 x 128 block scales.
     """
     from mtp_jax.heads import attach_head, head_for
 
-    model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh)
+    model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh, weights=weights)
     head = head or (head_for(path) if default_head else None)
     model = attach_head(model, head) if head else model
+    if weights == "fp8" and _any_quantized(model):  # the checkpoint's own fp8: which weights it left alone stays so
+        return model, tokenizer
     return quantize_model(model, weights), tokenizer
 
 
-def _load_trunk(path, *, dtype, mesh):
+def _any_quantized(model) -> bool:
+    return any(isinstance(p.get_value(), QuantizedArray) for _, p in nnx.iter_graph(model) if isinstance(p, nnx.Param))
+
+
+def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):
     rules = rules_for(mesh)
     dtype = jnp.dtype(dtype or default_dtype())
     if path is None:
@@ -170,18 +179,35 @@ def _load_trunk(path, *, dtype, mesh):
 
     source = open_source(path)
     cfg = config_of(source)
-    return assemble(cfg, nest(read_params(source, cfg, dtype, rules)), dtype, rules), source.load_tokenizer()
+    params = read_params(source, cfg, dtype, rules, keep_fp8=weights in ("auto", "fp8"))
+    return assemble(cfg, nest(params), dtype, rules), source.load_tokenizer()
 
 
-def read_params(source, cfg: ModelConfig, dtype, rules: ShardingRules | None, only_mtp: bool = False) -> dict:
+def read_params(
+    source, cfg: ModelConfig, dtype, rules: ShardingRules | None, only_mtp: bool = False, keep_fp8: bool = False
+) -> dict:
     """Every parameter of a checkpoint source, by path, one at a time: on the default device without `rules`;
-    with them, each process reads only the blocks its devices hold and places them straight into their sharding."""
+    with them, each process reads only the blocks its devices hold and places them straight into their sharding.
+    `keep_fp8`: weights the checkpoint stores as fp8 with block scales stay so (`QuantizedArray`: the values and
+    their scales, each laid out as the weight), else they are dequantized into `dtype`."""
     from checkpoints_convert.convert import param_readers
 
     readers, _ = param_readers(source, cfg, dtype, only_mtp)
-    if rules is None:
-        return {p: jnp.asarray(r.read()) for p, r in readers.items()}
-    return {p: place(r.shape, rules.param_sharding(p, r.shape), r.read_blocks) for p, r in readers.items()}
+
+    def read(path, reader, part):
+        shape = reader.part_shape(part)
+        if rules is None:
+            return jnp.asarray(reader.read(part=part))
+        names = list(path) if part == "dense" else [*path, part]
+        return place(shape, rules.param_sharding(names, shape), functools.partial(reader.read_blocks, part=part))
+
+    params = {}
+    for path, reader in readers.items():
+        if keep_fp8 and reader.fp8_blocks is not None:
+            params[path] = QuantizedArray(read(path, reader, "values"), read(path, reader, "scales"), jnp.dtype(dtype))
+        else:
+            params[path] = read(path, reader, "dense")
+    return params
 
 
 def load_model(

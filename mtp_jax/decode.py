@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from mtp_jax.config import LAYER_LAYOUTS
+from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
 
@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
     """--weights and --layer-layout: how the loaded model holds its weights (decode and bench)."""
-    parser.add_argument("--weights", choices=("auto", "bfloat16", "int8"), default="auto",
-                        help="int8: matmul weights stored as int8 with per-channel scales, dequantized inside the "
-                        "step (about half the bytes of bfloat16 per step); auto: as the checkpoint loads")  # fmt: skip
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                        help="auto: as the checkpoint ships them (fp8 block-scaled weights stay fp8); bfloat16: "
+                        "dequantized; int8 (per-channel scales) or fp8 (128x128 block scales): matmul weights stored "
+                        "so, dequantized inside the step (about half the bytes of bfloat16 per step)")  # fmt: skip
     parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
                         help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
                         "auto: unstacked where a scan copies each layer's weights every step (GPU), else "

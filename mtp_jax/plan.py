@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from mtp_jax.config import LAYER_LAYOUTS
+from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
 from mtp_jax.decode import check_output_path, positive_int
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=positive_int, default=4096)
     parser.add_argument("--num-draft", type=int, default=3, choices=range(0, 9), metavar="K")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--weights", choices=("auto", "bfloat16", "fp8", "int8"), default="auto")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto")
     parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
                         help="layers as decode holds them on the target (auto: stacked on TPU, unstacked on GPU), "
                         "or stacked / unstacked")  # fmt: skip
@@ -252,8 +252,6 @@ def markdown(plans: list[dict]) -> str:
 def run(args) -> int:
     from mtp_jax import planning, topology
 
-    if args.weights == "fp8":
-        raise UserError("--weights fp8: fp8 block storage is not built yet (int8 weight-only and bfloat16 are)")
     if args.capacity_gib is not None and args.capacity_gib <= 0:
         raise UserError("--capacity-gib must be positive")
     for path, option in ((args.json, "--json"), (args.markdown, "--markdown")):

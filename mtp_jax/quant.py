@@ -1,32 +1,42 @@
-"""Weights stored quantized and dequantized inside the jitted step: int8 weight-only with per-output-channel scales.
+"""Weights stored quantized and dequantized inside the jitted step: int8 weight-only with per-output-channel scales,
+and float8 e4m3 with block scales (the format DeepSeek-V3 / GLM-4.5-FP8 / Qwen FP8 checkpoints ship).
 
 Decode reads every weight once per step, so its speed is the bytes it reads. A quantized matmul weight is a
-`QuantizedArray`: int8 `values` in the weight's own shape and float32 `scales` broadcast over it (one per output
-channel: the contracting axes of the weight's matmul have size 1 in `scales`). It sits in the weight's `nnx.Param`,
-and reading it (`param[...]`) gives `values * scales` in the model's dtype, computed inside the jitted program where
-XLA fuses it into the matmul's operand (no stored bfloat16 copy). Stacked layers stack both arrays; shardings follow
-the weight's logical axes (`sharding.param_axes`), the scales' size-1 axes replicated.
+`QuantizedArray`: `values` in the weight's own shape (int8, or float8_e4m3fn) and float32 `scales` with one axis per
+weight axis, each of size 1 (one scale along the whole axis), the axis's size (a scale per element) or a divisor of
+it (a scale per block of consecutive elements). It sits in the weight's `nnx.Param`, and reading it (`param[...]`)
+gives `values * scales` (blocks expanded) in the model's dtype, computed inside the jitted program where XLA fuses
+it into the matmul's operand (no stored bfloat16 copy). Stacked layers stack both arrays; shardings follow the
+weight's logical axes (`sharding.param_axes`); a scale axis that its mesh axes do not divide is replicated.
+
+- int8: symmetric, one scale per output channel (max |w| over the contracting axes / 127).
+- fp8: blocks of 128 x 128 as the checkpoints use them: 128 consecutive inputs (the contracting axes flattened) by
+  128 consecutive outputs (the output axes flattened), laid on our axes by `axis_blocks`; scale = max |w| / 448 per
+  block. A layer or expert axis is never blocked across.
 
 What stays unquantized: embeddings, lm_heads (the MTP layer's own too), norms, biases, routers, the DeltaNet
 convolution and decay parameters, and the MTP fusion's small gates. The MTP layer's decoder block is quantized like
-the trunk's layers.
+the trunk's layers (its `proj` fusion included).
 
-    model = quant.quantize_model(model, "int8")   # in place; greedy MTP stays equal to plain on the stored weights
+    model = quant.quantize_model(model, "fp8")   # in place; greedy MTP stays equal to plain on the stored weights
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax.config import WEIGHT_FORMATS
 from mtp_jax.sharding import param_axes
 
-WEIGHT_FORMATS = ("auto", "bfloat16", "int8")
 INT8_MAX = 127.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128
 
 # Contracting axes of each quantized weight, counted over its own axes (without a leading stacked-layer axis), by
 # the last component of its path: the scales keep every other axis (one scale per output channel).
@@ -38,12 +48,14 @@ CONTRACTING: dict[str, tuple[int, ...]] = {
     "in_proj_qkv": (0,), "in_proj_z": (0,), "in_proj_b": (0,), "in_proj_a": (0,), "out_proj": (0, 1),  # DeltaNet
     "proj": (0,),  # the MTP layer's [2D, D] fusion
 }  # fmt: skip
+BATCHED = {"expert_gate": (0,), "expert_up": (0,), "expert_down": (0,)}  # own axes that index matrices (experts)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-    """values (int8, the weight's shape) times scales (float32, broadcastable to it), read in `dtype`."""
+    """values (int8 or float8_e4m3fn, the weight's shape) times scales (float32, one axis per weight axis: 1, the
+    axis's size, or a divisor of it for blocks of consecutive elements), read in `dtype`."""
 
     values: jax.Array
     scales: jax.Array
@@ -62,36 +74,97 @@ class QuantizedArray:
         return self.values.nbytes + self.scales.nbytes
 
     def dequantize(self) -> jax.Array:
-        return (self.values.astype(jnp.float32) * self.scales).astype(self.dtype)
+        return (self.values.astype(jnp.float32) * expand_blocks(self.scales, self.shape)).astype(self.dtype)
 
     def __getitem__(self, index):
         return self.dequantize()[index]
 
 
-def quantize_int8(weight: jax.Array, contracting: Sequence[int]) -> QuantizedArray:
-    """Symmetric int8 with one float32 scale per output channel: max |w| over the contracting axes / 127."""
+def expand_blocks(scales: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """scales [..., n, ...] -> broadcastable to `shape`: an axis of n scales over d = n * b elements repeats each b
+    times (axes of size 1 broadcast as they are)."""
+    for axis, (n, d) in enumerate(zip(scales.shape, shape, strict=True)):
+        if n not in (1, d):
+            scales = jnp.repeat(scales, d // n, axis=axis, total_repeat_length=d)
+    return scales
+
+
+def axis_blocks(dims: Sequence[int], block: int) -> tuple[int, ...]:
+    """Block sizes along consecutive axes `dims` whose flattened index is cut into blocks of `block`: from the last
+    axis outwards, an axis the remaining block covers whole is blocked whole and the rest passes outwards; the first
+    axis it does not cover gets gcd(its size, remaining) and every axis before it 1. Each resulting box lies in one
+    flattened block."""
+    sizes = [1] * len(dims)
+    remaining = block
+    for axis in reversed(range(len(dims))):
+        sizes[axis] = math.gcd(dims[axis], remaining)
+        if sizes[axis] < dims[axis]:
+            break
+        remaining //= dims[axis]
+    return tuple(sizes)
+
+
+def quantize_blocks(weight: jax.Array, blocks: Sequence[int], qmax: float, qdtype) -> QuantizedArray:
+    """Symmetric quantization with one float32 scale (max |w| over the block / qmax) per block of `blocks` (a size
+    dividing each axis; the axis's size: one scale along it)."""
     w = weight.astype(jnp.float32)
-    scales = jnp.max(jnp.abs(w), axis=tuple(contracting), keepdims=True) / INT8_MAX
-    scales = jnp.where(scales > 0, scales, 1.0)  # an all-zero channel: any scale
-    values = jnp.clip(jnp.round(w / scales), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    split = [n for d, b in zip(w.shape, blocks, strict=True) for n in (d // b, b)]
+    amax = jnp.max(jnp.abs(w.reshape(split)), axis=tuple(range(1, len(split), 2)))  # [d // b for each axis]
+    scales = jnp.where(amax > 0, amax / qmax, 1.0)  # an all-zero block: any scale
+    scaled = w / expand_blocks(scales, w.shape)
+    if jnp.issubdtype(qdtype, jnp.integer):
+        scaled = jnp.round(scaled)
+    values = jnp.clip(scaled, -qmax, qmax).astype(qdtype)
     return QuantizedArray(values, scales, jnp.dtype(weight.dtype))
 
 
-def contracting_axes(path: Sequence[str], ndim: int) -> tuple[int, ...] | None:
-    """The contracting axes (of the whole array, leading stacked axes included) of the weight at `path` with `ndim`
-    dimensions, or None when it stays unquantized."""
+def quantize_int8(weight: jax.Array, contracting: Sequence[int]) -> QuantizedArray:
+    """Symmetric int8 with one float32 scale per output channel: max |w| over the contracting axes / 127."""
+    blocks = [d if axis in contracting else 1 for axis, d in enumerate(weight.shape)]
+    return quantize_blocks(weight, blocks, INT8_MAX, jnp.int8)
+
+
+def fp8_blocks(
+    shape: Sequence[int], contracting: Sequence[int], batched: Sequence[int], block=(FP8_BLOCK, FP8_BLOCK)
+) -> tuple[int, ...]:
+    """Per-axis box sizes, for a weight of `shape`, of blocks (outputs, inputs) = `block` over (output axes
+    flattened) x (contracting axes flattened), as a checkpoint's [out, in] weight has them; `batched` axes (layers,
+    experts) are never blocked across."""
+    outputs = [a for a in range(len(shape)) if a not in contracting and a not in batched]
+    blocks = [1] * len(shape)
+    for axes, size in ((outputs, block[0]), (list(contracting), block[1])):
+        for axis, box in zip(axes, axis_blocks([shape[a] for a in axes], size), strict=True):
+            blocks[axis] = box
+    return tuple(blocks)
+
+
+def quantize_fp8(weight: jax.Array, contracting: Sequence[int], batched: Sequence[int] = ()) -> QuantizedArray:
+    """float8 e4m3 values with a float32 scale per 128 x 128 block (`fp8_blocks`): max |w| over the block / 448."""
+    blocks = fp8_blocks(weight.shape, contracting, batched)
+    return quantize_blocks(weight, blocks, FP8_MAX, jnp.float8_e4m3fn)
+
+
+def matmul_axes(path: Sequence[str], ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(contracting axes, batched axes) of the whole array (leading stacked-layer axes counted as batched) of the
+    weight at `path` with `ndim` dimensions, or None when it stays unquantized."""
     path = tuple(str(p) for p in path)
     own = CONTRACTING.get(path[-1])
     if own is None or (path[0] != "segments" and path[:2] != ("mtp", "block") and path != ("mtp", "proj")):
         return None
     lead = ndim - len([a for a in param_axes(path, ndim) if a != "layers"])
-    return tuple(lead + axis for axis in own)
+    batched = tuple(range(lead)) + tuple(lead + axis for axis in BATCHED.get(path[-1], ()))
+    return tuple(lead + axis for axis in own), batched
+
+
+def quantize_weight(weight: jax.Array, weights: str, contracting, batched) -> QuantizedArray:
+    """`weight` stored as `weights` ("int8" or "fp8") for a matmul over `contracting` axes, `batched` unblocked."""
+    return quantize_int8(weight, contracting) if weights == "int8" else quantize_fp8(weight, contracting, batched)
 
 
 def quantize_model(model, weights: str):
-    """Quantize every matmul weight of `model` in place to `weights` ("int8"; "auto" and "bfloat16": as it is) and
-    return it; on a mesh, each new array keeps the weight's sharding (values) or its replicated size-1 axes
-    (scales)."""
+    """Quantize every matmul weight of `model` in place to `weights` ("int8", "fp8"; "auto" and "bfloat16": as it
+    is) and return it; on a mesh, the values keep the weight's sharding and the scales lie as the weight's axes do
+    where the mesh divides them (else replicated)."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
     if weights in ("auto", "bfloat16"):
@@ -101,10 +174,10 @@ def quantize_model(model, weights: str):
         if not isinstance(param, nnx.Param) or isinstance(param.get_value(), QuantizedArray):
             continue
         names = [str(p) for p in path]
-        axes = contracting_axes(names, param.get_value().ndim)
+        axes = matmul_axes(names, param.get_value().ndim)
         if axes is None:
             continue
-        quantized = quantize_int8(param.get_value(), axes)
+        quantized = quantize_weight(param.get_value(), weights, *axes)
         if rules is not None:
             place = lambda leaf, kind, names=names: jax.device_put(
                 leaf, rules.param_sharding([*names, kind], leaf.shape)
