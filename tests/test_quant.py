@@ -52,26 +52,32 @@ def expected_bytes(model) -> int:
     return total
 
 
+def logits_errors(reference, model, prompts: np.ndarray) -> np.ndarray:
+    """|model's logits - reference's| over every valid prompt position, in units of the reference logits' std."""
+    tokens = jnp.asarray(prompts)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits = []
+    for m in (reference, model):
+        hidden, _ = m.trunk(tokens, positions, m.new_cache(len(tokens), 32), jnp.asarray(PROMPT_LENS))
+        logits.append(np.asarray(m.logits(hidden)))
+    valid = np.arange(tokens.shape[1])[None, :] < PROMPT_LENS[:, None]
+    return np.abs(logits[1] - logits[0])[valid] / logits[0][valid].std()
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_int8_model_bytes_logits_and_lossless_mtp(name):
     reference = MODELS[name]()
     model = quant.quantize_model(MODELS[name](), "int8")
     assert quant.weight_bytes(model) == expected_bytes(reference)
     assert quant.weight_bytes(model) < 0.6 * quant.weight_bytes(reference)  # float32 reference: under a third + tables
-    prompts = jnp.asarray(prompts_for(reference))
-    positions = jnp.broadcast_to(jnp.arange(prompts.shape[1]), prompts.shape)
-    logits = []
-    for m in (reference, model):
-        hidden, _ = m.trunk(prompts, positions, m.new_cache(len(prompts), 32), jnp.asarray(PROMPT_LENS))
-        logits.append(np.asarray(m.logits(hidden)))
-    valid = np.arange(prompts.shape[1])[None, :] < PROMPT_LENS[:, None]
-    error = np.abs(logits[1] - logits[0])[valid].max() / logits[0][valid].std()
+    prompts = prompts_for(reference)
+    error = logits_errors(reference, model, prompts).max()
     print(f"{name}: int8 logits, largest error / std of the float32 logits = {error:.4f}")
     assert 0 < error < 0.05
 
     if name == "gqa":  # the same quantized-weight path as the other two; its decode is left to them
         return
-    plain, drafted = decode(model, np.asarray(prompts), 0), decode(model, np.asarray(prompts), 2)
+    plain, drafted = decode(model, prompts, 0), decode(model, prompts, 2)
     np.testing.assert_array_equal(drafted.tokens, plain.tokens)
     np.testing.assert_array_equal(drafted.lengths, plain.lengths)
     assert drafted.stats.accepted_at[0] > 0
@@ -149,20 +155,14 @@ def test_fp8_model_logits_and_lossless_mtp(name):
             quantized = contracted_size([str(p) for p in path], stored.shape) is not None
             assert isinstance(stored, quant.QuantizedArray) == quantized, path
             assert not quantized or stored.values.dtype == jnp.float8_e4m3fn
-    prompts = jnp.asarray(prompts_for(reference))
-    positions = jnp.broadcast_to(jnp.arange(prompts.shape[1]), prompts.shape)
-    logits = []
-    for m in (reference, model):
-        hidden, _ = m.trunk(prompts, positions, m.new_cache(len(prompts), 32), jnp.asarray(PROMPT_LENS))
-        logits.append(np.asarray(m.logits(hidden)))
-    valid = np.arange(prompts.shape[1])[None, :] < PROMPT_LENS[:, None]
-    errors = np.abs(logits[1] - logits[0])[valid] / logits[0][valid].std()
+    prompts = prompts_for(reference)
+    errors = logits_errors(reference, model, prompts)
     print(f"{name}: fp8 logits, error / std of the float32 logits: mean {errors.mean():.4f}, max {errors.max():.4f}")
     assert 0 < errors.mean() < 0.05 and errors.max() < 0.6  # 3 mantissa bits: measured 0.013-0.038, 0.06-0.45
 
     if name == "gqa":
         return
-    plain, drafted = decode(model, np.asarray(prompts), 0), decode(model, np.asarray(prompts), 2)
+    plain, drafted = decode(model, prompts, 0), decode(model, prompts, 2)
     np.testing.assert_array_equal(drafted.tokens, plain.tokens)
 
 
