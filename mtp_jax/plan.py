@@ -133,7 +133,9 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
     dtype = jnp.dtype(args.dtype)
     platform = next(iter(rules.mesh.devices.flat)).platform
-    layout = preferred_layout(platform) if args.layer_layout == "auto" else args.layer_layout
+    layout = args.layer_layout
+    if layout == "auto":
+        layout = preferred_layout(platform, quantized=args.weights in ("int8", "fp8"))
     model = planning.abstract_model(cfg, dtype, rules, args.weights, layout)
     k = work.num_draft if cfg.has_mtp else 0
     work = dataclasses.replace(work, num_draft=k)

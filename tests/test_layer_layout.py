@@ -16,6 +16,7 @@ from test_lossless_moe import predictable_moe_model
 from tiny_models import predictable_model
 
 import mtp_jax
+from mtp_jax import quant
 from mtp_jax.models.causal_lm import LayerStack, apply_layer_layout
 
 PROMPT_LENS = np.array([7, 2, 11, 5], np.int32)
@@ -72,3 +73,7 @@ def test_layer_layout_choice():
     assert isinstance(apply_layer_layout(model, "unstacked").layers.layers, nnx.List)
     with pytest.raises(ValueError, match="layer layout"):
         apply_layer_layout(model, "rolled")
+    # on TPU: stacked, unless the weights are quantized (their dequantization does not fuse with the layer slice)
+    assert not isinstance(apply_layer_layout(MODELS["gqa"](), "auto", "tpu").layers.layers, nnx.List)
+    int8 = quant.quantize_model(MODELS["gqa"](), "int8")
+    assert isinstance(apply_layer_layout(int8, "auto", "tpu").layers.layers, nnx.List)

@@ -24,6 +24,7 @@ from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.hybrid_stack import MLP_BLOCKS, GroupStack
 from mtp_jax.models.layers import Attention, DecoderLayer, _init, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.mla import MultiHeadLatentAttention
+from mtp_jax.quant import QuantizedArray
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain
 
 ATTENTION_BLOCKS = {"gqa": Attention, "mla": MultiHeadLatentAttention, "gated": GatedAttention}
@@ -276,10 +277,11 @@ def unstack_layers(model: CausalLM) -> CausalLM:
     return model
 
 
-def preferred_layout(platform: str) -> str:
+def preferred_layout(platform: str, quantized: bool = False) -> str:
     """The layout layers are best held in on `platform`: unstacked where a scan would copy layer weights every step
-    (GPU, before its library matmuls), else stacked (one compiled layer body)."""
-    return "unstacked" if platform == "gpu" else "stacked"
+    (GPU, before its library matmuls; TPU with `quantized` weights, whose dequantization does not fuse with the
+    slice out of the stack into the matmul), else stacked (one compiled layer body)."""
+    return "unstacked" if platform == "gpu" or (platform == "tpu" and quantized) else "stacked"
 
 
 def apply_layer_layout(model: CausalLM, layout: str = "auto", platform: str | None = None) -> CausalLM:
@@ -288,5 +290,9 @@ def apply_layer_layout(model: CausalLM, layout: str = "auto", platform: str | No
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer layout {layout!r}: expected one of {', '.join(LAYER_LAYOUTS)}")
     if layout == "auto":
-        layout = preferred_layout(platform or jax.default_backend())
+        quantized = any(
+            isinstance(leaf, QuantizedArray)
+            for leaf in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, QuantizedArray))
+        )
+        layout = preferred_layout(platform or jax.default_backend(), quantized)
     return unstack_layers(model) if layout == "unstacked" else model
