@@ -5,9 +5,12 @@ Decode reads every weight once per step, so its speed is the bytes it reads. A q
 `QuantizedArray`: `values` in the weight's own shape (int8, or float8_e4m3fn) and float32 `scales` with one axis per
 weight axis, each of size 1 (one scale along the whole axis), the axis's size (a scale per element) or a divisor of
 it (a scale per block of consecutive elements). It sits in the weight's `nnx.Param`, and reading it (`param[...]`)
-gives `values * scales` (blocks expanded) in the model's dtype, computed inside the jitted program where XLA fuses
-it into the matmul's operand (no stored bfloat16 copy). Stacked layers stack both arrays; shardings follow the
-weight's logical axes (`sharding.param_axes`); a scale axis that its mesh axes do not divide is replicated.
+gives `values * scales` (blocks expanded) in the model's dtype, computed inside the jitted program (no stored
+bfloat16 copy). Compiled for TPU, per-channel scales fuse into the matmul's operand when layers are unstacked (inside
+a layer scan the dequantized slice is materialized); block scales are expanded by a gather that XLA materializes, so
+fp8 saves memory, not yet bytes per step (docs/benchmarks.md, "Quantized weights on TPU"). Stacked layers stack both
+arrays; shardings follow the weight's logical axes (`sharding.param_axes`); a scale axis that its mesh axes do not
+divide is replicated.
 
 - int8: symmetric, one scale per output channel (max |w| over the contracting axes / 127).
 - fp8: blocks of 128 x 128 as the checkpoints use them: 128 consecutive inputs (the contracting axes flattened) by
