@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -124,3 +127,38 @@ def test_fp8_checkpoint_stays_fp8_and_decodes_as_dequantized(family, tmp_path):
     plain = mtp_jax.generate(fp8, prompts, PROMPT_LENS, jax.random.key(0), dataclasses.replace(cfg, num_draft=0))
     drafted = mtp_jax.generate(fp8, prompts, PROMPT_LENS, jax.random.key(0), cfg)
     np.testing.assert_array_equal(np.asarray(drafted.tokens), np.asarray(plain.tokens))
+
+
+SHARDED_LOAD = """
+import sys, json, jax, jax.numpy as jnp, numpy as np
+import mtp_jax
+from mtp_jax import sharding
+from mtp_jax.quant import QuantizedArray
+from flax import nnx
+folder = sys.argv[1]
+ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 7)), jnp.int32)
+lens = jnp.array([7, 3, 5, 6], jnp.int32)
+dc = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=10, stop_on_eos=False)
+one = mtp_jax.load_model(folder, dtype=jnp.float32)
+many = mtp_jax.load_model(folder, dtype=jnp.float32, mesh=sharding.make_mesh("data=2,expert=2,model=2"))
+kept = [p.get_value() for _, p in nnx.iter_graph(many) if isinstance(p, nnx.Param)]
+kept = [q for q in kept if isinstance(q, QuantizedArray)]
+split = sum(not q.values.sharding.is_fully_replicated for q in kept)
+tokens = [np.asarray(mtp_jax.generate(m, ids, lens, jax.random.key(0), dc).tokens).tolist() for m in (one, many)]
+print(json.dumps({"kept": len(kept), "split": split, "tokens": tokens}))
+"""
+
+
+def test_fp8_checkpoint_on_a_mesh_decodes_as_one_device(tmp_path):
+    """The same fp8 DeepSeek-V3 checkpoint loaded onto 8 host devices (data=2,expert=2,model=2): every process
+    reads the blocks of values and scales its devices hold; the values are split as their weights and greedy MTP
+    tokens equal one device's."""
+    write_checkpoint("deepseek_v3", tmp_path / "float32")
+    write_fp8_pair(tmp_path / "float32", tmp_path / "fp8", tmp_path / "dequantized")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path / "fp8")], env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["kept"] > 10 and report["split"] > 5
+    assert report["tokens"][0] == report["tokens"][1]
