@@ -17,7 +17,7 @@ from checkpoints_convert.errors import ConversionError
 from checkpoints_convert.source import read_json_object
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
-from mtp_jax.quant import QuantizedArray, quantize_model
+from mtp_jax.quant import QuantizedArray, is_quantized, quantize_model
 from mtp_jax.sharding import ShardingRules, place, rules_for
 
 
@@ -151,13 +151,9 @@ def load(
     model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh, weights=weights)
     head = head or (head_for(path) if default_head else None)
     model = attach_head(model, head) if head else model
-    if weights == "fp8" and _any_quantized(model):  # the checkpoint's own fp8: which weights it left alone stays so
+    if weights == "fp8" and is_quantized(model):  # the checkpoint's own fp8: which weights it left alone stays so
         return model, tokenizer
     return quantize_model(model, weights), tokenizer
-
-
-def _any_quantized(model) -> bool:
-    return any(isinstance(p.get_value(), QuantizedArray) for _, p in nnx.iter_graph(model) if isinstance(p, nnx.Param))
 
 
 def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):

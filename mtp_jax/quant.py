@@ -190,6 +190,12 @@ def quantize_model(model, weights: str):
     return model
 
 
+def is_quantized(model) -> bool:
+    """Whether any parameter of `model` is stored quantized."""
+    params = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, QuantizedArray))
+    return any(isinstance(leaf, QuantizedArray) for leaf in params)
+
+
 def weight_bytes(model) -> int:
     """Bytes of every parameter of `model` as stored (quantized weights: values and scales)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -24,7 +24,7 @@ from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.hybrid_stack import MLP_BLOCKS, GroupStack
 from mtp_jax.models.layers import Attention, DecoderLayer, _init, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.mla import MultiHeadLatentAttention
-from mtp_jax.quant import QuantizedArray
+from mtp_jax.quant import is_quantized
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain
 
 ATTENTION_BLOCKS = {"gqa": Attention, "mla": MultiHeadLatentAttention, "gated": GatedAttention}
@@ -290,9 +290,5 @@ def apply_layer_layout(model: CausalLM, layout: str = "auto", platform: str | No
     if layout not in LAYER_LAYOUTS:
         raise ValueError(f"layer layout {layout!r}: expected one of {', '.join(LAYER_LAYOUTS)}")
     if layout == "auto":
-        quantized = any(
-            isinstance(leaf, QuantizedArray)
-            for leaf in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, QuantizedArray))
-        )
-        layout = preferred_layout(platform or jax.default_backend(), quantized)
+        layout = preferred_layout(platform or jax.default_backend(), is_quantized(model))
     return unstack_layers(model) if layout == "unstacked" else model
