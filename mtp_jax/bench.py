@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from mtp_jax.config import DecodeConfig
 from mtp_jax.decode import add_storage_arguments, positive_int
 from mtp_jax.errors import UserError, run_cli
 
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft and verify parts, the roofline and the adaptive round costs (default on)")  # fmt: skip
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="add an adaptive-k row with the "
                         "largest k, its round costs from the split timing (default: on with --split)")  # fmt: skip
+    parser.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=DecodeConfig.invariant,
+                        help="ours with batch-invariant numerics (default: as DecodeConfig)")  # fmt: skip
+    parser.add_argument("--invariance-cost", action="store_true", help="time ours with the other numerics too, "
+                        "for every k, in the same sweeps (rows marked 'invariant' or 'default numerics')")  # fmt: skip
     parser.add_argument("--mesh", help="shard ours over every device: data=D,model=M[,expert=E] or auto")
     add_storage_arguments(parser)
     parser.add_argument("--json", help="write the results as JSON here")
@@ -295,14 +300,18 @@ def run(args) -> dict:
         peer_run = PeerRun(peer, batch, args.max_new_tokens, args.temperature) if peer is not None else None
         results = time_batch(args, model, ids, lens, drafts, bandwidth, peer_run)
         plain, plain_tokens = results[0]
+        plain_of_mode = {
+            row["invariant"]: tokens for row, tokens in results if row["impl"] == "mtp_jax" and not row["k"]
+        }
         peer_speed = results[-1][0]["tokens_per_second"] if peer is not None else None
         for row, tokens in results:
             row["speedup_vs_plain"] = row["tokens_per_second"] / plain["tokens_per_second"]
             row["verify_over_plain"] = ratio(row.get("verify_ms"), plain.get("round_ms"))
             row["draft_step_over_plain"] = ratio(row.get("draft_ms"), plain.get("round_ms"), row["k"])
             row["ours_over_peer"] = row["tokens_per_second"] / peer_speed if peer_speed else None
-            compared = row is not plain and args.temperature == 0
-            row["same_tokens"] = bool(np.array_equal(tokens, plain_tokens)) if compared else None
+            reference = plain_of_mode.get(row.get("invariant"), plain_tokens)  # plain decoding with the same numerics
+            compared = reference is not tokens and args.temperature == 0
+            row["same_tokens"] = bool(np.array_equal(tokens, reference)) if compared else None
             rows.append(row)
     if peer is not None:
         notes.append(f"transformers ran with the {rows[-1]['cache']} cache")
@@ -317,16 +326,16 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
     """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then the peer,
     timed in interleaved sweeps; with --split, each fixed k with its round's parts and the plain rows with their
     roofline fraction."""
-    from mtp_jax.config import DecodeConfig
     from mtp_jax.round_timing import RoundTimer, plain_step_bytes
     from mtp_jax.speculative import cache_slots
 
-    timer = RoundTimer(model, ids, lens, args.max_new_tokens) if args.split else None
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False)
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False,
+                    invariant=args.invariant)  # fmt: skip
+    timer = RoundTimer(model, ids, lens, args.max_new_tokens, args.invariant) if args.split else None
     rows, runs = [], []
     for k in drafts:
         cfg = DecodeConfig(num_draft=k, **settings)
-        row = {"impl": "mtp_jax", "batch": len(ids), "k": k}
+        row = {"impl": "mtp_jax", "batch": len(ids), "k": k, "invariant": args.invariant}
         if timer is not None:
             row.update(timer.split(k))
         if timer is not None and k == 0:
@@ -336,7 +345,12 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
     if timer is not None and args.adaptive and max(drafts) > 0:
         costs = timer.adaptive_costs(max(drafts))
         cfg = DecodeConfig(num_draft=max(drafts), adaptive=True, round_costs=costs, **settings)
-        rows.append({"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), "round_costs": list(costs)})
+        adaptive = {"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), "invariant": args.invariant}
+        rows.append({**adaptive, "round_costs": list(costs)})
+        runs.append(OursRun(model, ids, lens, cfg))
+    for k in drafts if args.invariance_cost else ():  # the other numerics, whole decodes only
+        cfg = DecodeConfig(num_draft=k, **{**settings, "invariant": not args.invariant})
+        rows.append({"impl": "mtp_jax", "batch": len(ids), "k": k, "invariant": not args.invariant})
         runs.append(OursRun(model, ids, lens, cfg))
     if peer_run is not None:
         rows.append({"impl": "transformers", "batch": len(ids), "k": 0})
@@ -386,6 +400,8 @@ def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "repeats": args.repeats,
+        "invariant": args.invariant,
+        "invariance_cost": args.invariance_cost,
         "notes": notes,
     }
 
@@ -423,6 +439,8 @@ def markdown(result: dict) -> str:
     number = lambda value, form: "-" if value is None else format(value, form)
     for r in result["rows"]:
         impl = r["impl"] + (f" ({r['cache']} cache)" if "cache" in r else "")
+        if result["meta"].get("invariance_cost") and "invariant" in r:
+            impl += " (invariant)" if r["invariant"] else " (default numerics)"
         per_pos = ", ".join(f"{p:.2f}" for p in r["acceptance_per_position"]) or "-"
         same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         if "round_costs" in r:

@@ -31,6 +31,7 @@ from mtp_jax.sharding import (
     DELTANET_STATE,
     LATENT_CACHE,
     ShardingRules,
+    active_platform,
     active_rules,
     constrain,
     constrain_cache,
@@ -95,9 +96,7 @@ def _pinned(x: jax.Array, layout) -> jax.Array:
 
 def _on_tpu() -> bool:
     """Whether the active rules' mesh (else the default backend) is made of TPU devices."""
-    rules = active_rules()
-    devices = rules.mesh.devices.flat if rules is not None else jax.devices()
-    return next(iter(devices)).platform == "tpu"
+    return active_platform() == "tpu"
 
 
 def _attention_layout(x: jax.Array) -> jax.Array:
@@ -117,16 +116,17 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
+    invariant: bool = struct.field(pytree_node=False, default=False)  # attended in the batch-invariant form
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype) -> KVCache:
+    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, invariant=False) -> KVCache:
         shape = (num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), invariant=invariant)
 
     def constrained(self) -> KVCache:
         """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data, kv_heads -> model,
         or, when `model` does not divide the kv heads and the cache is long, its slots over model."""
-        return KVCache(k=_pinned(self.k, CACHE), v=_pinned(self.v, CACHE))
+        return self.replace(k=_pinned(self.k, CACHE), v=_pinned(self.v, CACHE))
 
     @property
     def slots(self) -> int:
@@ -146,15 +146,16 @@ class LatentCache:
     """
 
     latent: jax.Array
+    invariant: bool = struct.field(pytree_node=False, default=False)  # attended in the batch-invariant form
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype) -> LatentCache:
-        return cls(latent=jnp.zeros((num_layers, batch, slots, cfg.mla.latent_dim), dtype))
+    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, invariant=False) -> LatentCache:
+        return cls(latent=jnp.zeros((num_layers, batch, slots, cfg.mla.latent_dim), dtype), invariant=invariant)
 
     def constrained(self) -> LatentCache:
         """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data and, when long, its
         slots over model and expert; whole on every device otherwise."""
-        return LatentCache(latent=_pinned(self.latent, LATENT_CACHE))
+        return self.replace(latent=_pinned(self.latent, LATENT_CACHE))
 
     @property
     def slots(self) -> int:
@@ -174,10 +175,11 @@ def long_cache_shards(cfg: ModelConfig, rules: ShardingRules | None) -> int:
     return math.prod(rules.mesh.shape[axis] for axis in rules.slot_axes(layout, (1, 1, 1, *heads)))  # [L, B, S, ...]
 
 
-def attention_cache(kind: LayerKind, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype):
-    """An empty cache for `num_layers` layers of this kind: KVCache for GQA, LatentCache for MLA."""
+def attention_cache(kind: LayerKind, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, invariant=False):
+    """An empty cache for `num_layers` layers of this kind: KVCache for GQA, LatentCache for MLA; `invariant`:
+    attended in the batch-invariant form (models/cache_attention.py: `attend_written_cache`)."""
     cache_class = LatentCache if kind.attention == "mla" else KVCache
-    return cache_class.zeros(num_layers, batch, slots, cfg, dtype).constrained()
+    return cache_class.zeros(num_layers, batch, slots, cfg, dtype, invariant).constrained()
 
 
 def deltanet_states(num_layers: int, batch: int, cfg: ModelConfig, dtype) -> DeltaNetState:
@@ -194,6 +196,11 @@ class GroupCache:
     after every block position (conv [R, B, T, W-1, C], recurrent [R, B, T, N, H, Y]) until `keep_verified`."""
 
     members: tuple
+
+    @property
+    def invariant(self) -> bool:
+        """Whether its attention caches are attended in the batch-invariant form (and its layers run so)."""
+        return any(getattr(entry, "invariant", False) for entry in self.members)
 
     def constrained(self) -> GroupCache:
         """Pinned to its layout under active sharding rules: rows over data, kv heads and value heads over model."""

@@ -362,6 +362,9 @@ class DecodeConfig:
     round_costs: time of a round with j = 0..num_draft drafts over a plain round, j = 0 being a probe over an MTP
       block that rests filled (measured, e.g. by `python -m mtp_jax.bench`); None estimates them from parameter
       bytes (right for memory-bound devices).
+    invariant: batch-invariant numerics: each row's tokens the same whatever else shares its passes (other rows,
+      their lengths, a verify block's other positions), so greedy MTP equals plain decoding in bfloat16 too, at any
+      batch size (models/cache_attention.py: `attend_written_cache`; caches are sized in whole attention chunks).
     """
 
     num_draft: int = 3
@@ -372,6 +375,7 @@ class DecodeConfig:
     stop_on_eos: bool = True
     adaptive: bool = False
     round_costs: tuple[float, ...] | None = None
+    invariant: bool = False
 
     def __post_init__(self):
         if self.num_draft < 0:

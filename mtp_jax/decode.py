@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
+from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS, DecodeConfig
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
 
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--round-costs", type=float_list, metavar="C0,...,CK", help="with --adaptive: time of a "
                         "round with 0..K drafts over a plain step, as python -m mtp_jax.bench measures them "
                         "(default: estimated from parameter bytes, right for memory-bound accelerators)")  # fmt: skip
+    parser.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=DecodeConfig.invariant,
+                        help="batch-invariant numerics: each row's tokens the same at any batch size, and greedy MTP "
+                        "equal to plain decoding in bfloat16 too")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=non_negative_int, default=0)
@@ -182,8 +185,8 @@ def memory_capacity(model) -> tuple[int | None, str]:
     return ram // local, "this machine's RAM" + (f" shared by {local} devices" if local > 1 else "")
 
 
-ROW_SETTINGS = ("model", "head", "dtype", "weights", "no_mtp", "num_draft", "adaptive", "round_costs", "temperature",
-                "top_p", "top_k", "max_new_tokens", "seed", "no_chat")  # fmt: skip
+ROW_SETTINGS = ("model", "head", "dtype", "weights", "no_mtp", "num_draft", "adaptive", "round_costs", "invariant",
+                "temperature", "top_p", "top_k", "max_new_tokens", "seed", "no_chat")  # fmt: skip
 
 
 class RowOutput:
@@ -355,7 +358,6 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     from tqdm import tqdm
 
     from mtp_jax import checkpoint, stats
-    from mtp_jax.config import DecodeConfig
     from mtp_jax.models import causal_lm
     from mtp_jax.prompts import bucket, encode_prompts, pad_batch
     from mtp_jax.sharding import make_mesh, to_host
@@ -387,6 +389,7 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
             top_p=args.top_p,
             adaptive=args.adaptive,
             round_costs=args.round_costs,
+            invariant=args.invariant,
         )
     except ValueError as e:
         raise UserError(str(e)) from None

@@ -70,10 +70,12 @@ def _repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draf
 class RoundTimer:
     """Times round parts of one model on one padded prompt batch (ids [B, W], lens [B])."""
 
-    def __init__(self, model, prompt_ids, prompt_lens, max_new_tokens: int, iterations: int = 16, repeats: int = 3):
+    def __init__(self, model, prompt_ids, prompt_lens, max_new_tokens: int, invariant: bool = False,
+                 iterations: int = 16, repeats: int = 3):  # fmt: skip
         self.graphdef, self.params = nnx.split(model)
         self.ids, self.lens = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32)
         self.max_new_tokens, self.iterations, self.repeats = max_new_tokens, iterations, repeats
+        self.invariant = invariant  # the numerics of the rounds timed (DecodeConfig.invariant)
         self._states = {}
 
     def _state(self, cfg: DecodeConfig):
@@ -87,7 +89,7 @@ class RoundTimer:
         "cycle") with `num_draft` drafts, in a loop whose most drafts are `max_draft` (adaptive: with its wider MTP
         block); and the number of rounds the call runs: `iterations`, or that many cycles' rounds."""
         cfg = DecodeConfig(num_draft=max_draft, max_new_tokens=self.max_new_tokens, stop_on_eos=False,
-                           adaptive=adaptive)  # fmt: skip
+                           adaptive=adaptive, invariant=self.invariant)  # fmt: skip
         iterations = max(1, self.iterations // mtp_block_width(cfg)) if part == "cycle" else self.iterations
         state = self._state(cfg)
         run = functools.partial(_repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, iterations)

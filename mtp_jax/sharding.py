@@ -394,3 +394,9 @@ def shard_model(model, mesh: Mesh | ShardingRules):
 def active_rules() -> ShardingRules | None:
     """The rules `activate` made current (None outside a sharded model's tracing)."""
     return _ACTIVE.get()
+
+
+def active_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of the active rules' mesh, else of the default backend."""
+    rules = active_rules()
+    return next(iter(rules.mesh.devices.flat)).platform if rules is not None else jax.default_backend()

@@ -42,7 +42,7 @@ from mtp_jax.adaptive import (
 )
 from mtp_jax.cache import KVCache, long_cache_shards
 from mtp_jax.config import DecodeConfig
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count, two_rows
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
 from mtp_jax.sharding import activate, constrain
@@ -69,6 +69,12 @@ class GenerateOutput:
     lengths: jax.Array  # [B] number of generated tokens
     finished_by_eos: jax.Array  # [B] bool
     stats: DecodeStats
+
+    def first_of_twins(self) -> GenerateOutput:
+        """The output of row 0 of two identical rows (same prompt, same random stream): as if decoded alone."""
+        per_row = ("row_rounds", "emitted", "drafted", "accepted", "reached", "accepted_at")
+        stats = self.stats.replace(**{name: getattr(self.stats, name) // 2 for name in per_row})
+        return GenerateOutput(self.tokens[:1], self.lengths[:1], self.finished_by_eos[:1], stats)
 
 
 @struct.dataclass
@@ -356,7 +362,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
     batch, prompt_width = prompt_ids.shape
     k = cfg.num_draft
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
-    cache = model.new_cache(batch, slots)
+    cache = model.new_cache(batch, slots, cfg.invariant)
     hidden, cache = model.trunk(prompt_ids, positions, cache, lengths=prompt_lens)  # [B, P, D]
     last = prompt_lens - 1
     last_hidden = _gather_rows(hidden, last)  # [B, D]
@@ -403,7 +409,7 @@ def _prefill(model, cfg, sampling, eos, prompt_ids, prompt_lens, row_keys, slots
     # MTP over the prompt: slot p pairs h[p] with x[p+1]; the last prompt slot pairs with the first token.
     next_tokens = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
     next_tokens = jnp.where(jnp.arange(prompt_width) == last[:, None], first[:, None], next_tokens)
-    mtp_cache = model.new_mtp_cache(batch, slots)
+    mtp_cache = model.new_mtp_cache(batch, slots, cfg.invariant)
     _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
     width = mtp_block_width(cfg)
     block_hidden = jnp.zeros((batch, width, hidden.shape[-1]), hidden.dtype).at[:, 0].set(last_hidden)
@@ -422,9 +428,10 @@ def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
     budget pass one attention chunk, to whole chunks, so that attention reads only the chunks holding visible slots
     (mtp_jax.models.cache_attention), and to whole chunks on each of `shards` (M) shards of a cache split over its
     slots (mtp_jax.cache.long_cache_shards). That choice ignores k, so plain and MTP decoding of the same prompts and
-    budget take the same attention path (chunks a row cannot see yet are skipped, so extra ones change nothing)."""
+    budget take the same attention path (chunks a row cannot see yet are skipped, so extra ones change nothing).
+    Batch-invariant decoding (`cfg.invariant`) always reads whole chunks."""
     needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
-    if prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK:
+    if cfg.invariant or prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK:
         return -(-needed // (shards * ATTENTION_CHUNK)) * shards * ATTENTION_CHUNK
     slots = -(-needed // 16) * 16
     return slots + 16 if chunk_count(slots) else slots  # a long verify block reached whole chunks: stay one-pass
@@ -433,16 +440,21 @@ def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"))
 def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):
     model: CausalLM = nnx.merge(graphdef, params)
+    lone = cfg.invariant and prompt_ids.shape[0] == 1
+    if lone:  # batch-invariant decoding runs a lone row beside its twin (every op then sees the shapes of a batch)
+        key = key if key.ndim else jax.random.split(key, 1)  # the row's own stream, as without the twin
+        prompt_ids, prompt_lens, key, sampling = jax.tree.map(two_rows, (prompt_ids, prompt_lens, key, sampling))
     with activate(model.sharding_rules):  # a model on a mesh: rows over `data`, heads and vocab over `model`
         state = start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_step(model, cfg, sampling, greedy), state)
         valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
-        return GenerateOutput(
+        out = GenerateOutput(
             tokens=constrain(jnp.where(valid, state.tokens[:, : cfg.max_new_tokens], 0), ("batch", None)),
             lengths=constrain(state.num_generated, ("batch",)),
             finished_by_eos=constrain(state.finished_by_eos, ("batch",)),
             stats=state.stats,
         )
+        return out.first_of_twins() if lone else out
 
 
 def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):

@@ -14,6 +14,12 @@ M * B rows (row b of shard m at m * B + b: the per-row arithmetic is the unshard
 softmax, and merges the M partial softmaxes once at the end: the only reduction across shards, over [B, T, heads, ...].
 Queries are whole on every device for it; the output goes back to heads over `model`.
 
+Batch-invariant decoding (DecodeConfig.invariant; the cache says so: KVCache.invariant) takes another form,
+`attend_written_cache`: the block's own keys and values are laid into the chunks where the cache will hold them
+(`with_block`) and every query attends chunk by chunk to the slots up to its own position, so its sums never depend
+on how many queries, rows or chunks the pass has. The default form attends the cache and the block as two parts, and
+a query at block position 1 or later then rounds differently from the same query in a plain step.
+
 Einsum letters: those of layers.py; C slots of one chunk, U the block's own positions. In a chunk's einsums B counts
 the M * B rows of every shard.
 """
@@ -25,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp_jax.models import loops
+from mtp_jax.models.rowwise import row_sum
 from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
@@ -42,6 +49,10 @@ class LayerSlots:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.stacked.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
 
     def read(self) -> jax.Array:
         """Every slot: [B, S, ...]."""
@@ -123,40 +134,75 @@ def grouped_attention(
     past_k: jax.Array | LayerSlots,  # [B, S, K, H] the cache; slots >= positions[:, 0] are ignored
     past_v: jax.Array | LayerSlots,  # [B, S, K, H]
     visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
+    invariant: bool = False,
 ) -> jax.Array:
     """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
     block itself (one softmax over both, float32); chunk by chunk over a cache of whole chunks (`chunk_count`),
-    shard by shard over one split over its slots."""
+    shard by shard over one split over its slots. `invariant`: the batch-invariant form (`attend_written_cache`),
+    which needs a cache of whole chunks on every shard."""
     b, t, n, h = q.shape
+    slots = past_k.shape[1]
     shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     if shards > 1:
         q = constrain(q, WHOLE_HEADS)
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
     f32 = jnp.float32
-    block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
-    if chunk_count(past_k.shape[1]):
+    if invariant or chunk_count(slots):
         q_rows = jnp.tile(q, (shards, 1, 1, 1, 1))  # [M * B, T, K, G, H]: each row's queries beside each shard
+        run_starts = whole_chunk_runs(slots, shards) if invariant else None
+        entries = (k.astype(past_k.dtype), v.astype(past_v.dtype))  # as the cache will hold them
+        widen = two_rows if invariant and q_rows.shape[0] == 1 else lambda x: x
 
         def attend_chunk(first):
-            keys = read_chunks(past_k, first, ATTENTION_CHUNK, shards).astype(q.dtype)  # [M * B, C, K, H]
-            values = read_chunks(past_v, first, ATTENTION_CHUNK, shards).astype(q.dtype)  # [M * B, C, K, H]
-            scores = jnp.einsum("BTKGH,BCKH->BKGTC", q_rows, keys, preferred_element_type=f32)
+            keys = read_chunks(past_k, first, ATTENTION_CHUNK, shards)  # [M * B, C, K, H]
+            values = read_chunks(past_v, first, ATTENTION_CHUNK, shards)  # [M * B, C, K, H]
+            if invariant:
+                starts = run_starts + first
+                keys = widen(with_block(keys, entries[0], positions, starts))
+                values = widen(with_block(values, entries[1], positions, starts))
+            keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+            scores = jnp.einsum("BTKGH,BCKH->BKGTC", widen(q_rows), keys, preferred_element_type=f32)
             return scores, lambda probs: jnp.einsum("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values,
                                                     preferred_element_type=f32)  # fmt: skip
 
-        def block_output(probs):  # [B, K, G, T, U] -> [B, T, K, G, H]
-            return jnp.einsum("BKGTU,BUKH->BTKGH", probs.astype(q.dtype), v, preferred_element_type=f32)
+        if invariant:
+            rows = widen(positions), None if visible_from is None else widen(visible_from)
+            out = attend_written_cache(attend_chunk, *rows, slots, shards, (rows[0].shape[0], *q.shape[2:4], t),
+                                       (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
+        else:
+            block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
 
-        out = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, past_k.shape[1],
-                               shards)  # fmt: skip
+            def block_output(probs):  # [B, K, G, T, U] -> [B, T, K, G, H]
+                return jnp.einsum("BKGTU,BUKH->BTKGH", probs.astype(q.dtype), v, preferred_element_type=f32)
+
+            out = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, slots, shards)
         out = out.astype(q.dtype).reshape(b, t, n, h)
         return constrain(out, HEADS) if shards > 1 else out
+    block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
     past_k, past_v = read_slots(past_k).astype(q.dtype), read_slots(past_v).astype(q.dtype)
     past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k, preferred_element_type=f32)
     past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs.astype(q.dtype), past_v)
     out = out + jnp.einsum("BKGTU,BUKH->BTKGH", block_probs.astype(q.dtype), v)
     return out.reshape(b, t, n, h)
+
+
+def two_rows(x: jax.Array) -> jax.Array:
+    """x [1, ...] as [2, ...] (the row twice). The batch-invariant form attends a lone row beside a copy of itself:
+    XLA:CPU drops a batch axis of size 1 and then emits the attention products with other sums (measured: one row
+    alone differed from the same row in batches of 2, 3 and 4, which all agreed)."""
+    return jnp.concatenate([x, x])
+
+
+def whole_chunk_runs(slots: int, shards: int) -> jax.Array:
+    """[M] the first slot of each of the `shards` runs of a cache that the batch-invariant form reads; an error
+    unless every run is whole chunks (mtp_jax.speculative.cache_slots sizes invariant decodes so)."""
+    if slots % (shards * ATTENTION_CHUNK):
+        raise ValueError(
+            f"batch-invariant attention reads whole chunks of {ATTENTION_CHUNK} slots on each of {shards} shard(s); "
+            f"a cache of {slots} slots is not"
+        )
+    return jnp.arange(shards) * (slots // shards)
 
 
 def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, slots: int, shards: int = 1):
@@ -171,8 +217,63 @@ def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visibl
     attend_chunk(first) -> (float32 scores [M * B, ..., T, C] against slots first .. first + C - 1 of each run, and a
     function of their probabilities giving float32 outputs [M * B, T, ..., W]); block_scores [B, ..., T, U]
     (float32); block_output(probs [B, ..., T, U]) -> [B, T, ..., W]. Returns the float32 output [B, T, ..., W]."""
-    used = jnp.max(positions[:, 0])  # no row sees a slot at or past it
     heads = (1,) * (block_scores.ndim - 3)  # the axes between B and T
+
+    def visible(starts):  # [M] first slots of this chunk in each run -> [M * B, 1, ..., 1, C]
+        seen = visible_slots(ATTENTION_CHUNK, positions, visible_from, starts)  # [B, M, C]
+        return _shard_major(seen).reshape(-1, *heads, 1, ATTENTION_CHUNK)
+
+    probe = jax.eval_shape(block_output, jax.ShapeDtypeStruct(block_scores.shape, jnp.float32))  # [B, T, ..., W]
+    stats_shape = block_scores.shape[:-1]  # [B, ..., T]
+    m, total, acc = _chunk_loop(attend_chunk, visible, jnp.max(positions[:, 0]), slots, shards, stats_shape,
+                                probe.shape)  # fmt: skip
+    t = block_scores.shape[-1]
+    block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
+    m, rescale, probs = _running_max(m, block_scores)  # each query sees itself: m is finite from here on
+    total = total * rescale + jnp.sum(probs, axis=-1)
+    acc = acc * _per_query(rescale) + block_output(probs)
+    return acc / _per_query(total)
+
+
+def attend_written_cache(attend_chunk, positions, visible_from, slots: int, shards: int, stats_shape, out_shape):
+    """The batch-invariant form of `attend_in_chunks`: the block's entries are already in the chunks
+    (`with_block`), and each query attends to the slots up to its own position, chunk by chunk, with no separate
+    block part. A query's sums then run over the same chunks, in the same order, with the same values, whatever the
+    pass holds besides it (other rows, the rest of a verify block, a longer cache): a chunk a query cannot see adds
+    exact zeros to its running softmax, and a chunk skipped because no query of the pass can see it would have.
+
+    attend_chunk as for `attend_in_chunks`; stats_shape [B, ..., T] and out_shape [B, T, ..., W] of the result.
+    Returns the float32 output [B, T, ..., W]."""
+    heads = (1,) * (len(stats_shape) - 2)  # the axes between B and T
+
+    def visible(starts):  # [M] first slots of this chunk in each run -> [M * B, 1, ..., 1, T, C]
+        slot = starts[:, None] + jnp.arange(ATTENTION_CHUNK)  # [M, C]
+        seen = slot[:, None, None, :] <= positions[None, :, :, None]  # [M, B, T, C]
+        if visible_from is not None:
+            seen &= slot[:, None, None, :] >= visible_from[None, :, None, None]
+        return seen.reshape(-1, *heads, *seen.shape[2:])
+
+    _, total, acc = _chunk_loop(attend_chunk, visible, jnp.max(positions) + 1, slots, shards, stats_shape, out_shape)
+    return acc / _per_query(total)
+
+
+def with_block(chunk: jax.Array, block: jax.Array, positions: jax.Array, starts: jax.Array) -> jax.Array:
+    """chunk [M * B, C, ...] (slots starts[m] .. starts[m] + C - 1 of run m, row b at m * B + b) as it reads once
+    the block's entries [B, T, ...] (in the cache's dtype) are written at `positions` [B, T]."""
+    shards, (rows, t) = starts.shape[0], block.shape[:2]
+    slot = starts[:, None] + jnp.arange(chunk.shape[1])  # [M, C]
+    index = slot[:, None, :] - positions[None, :, 0, None]  # [M, B, C] the block entry each slot takes
+    inside = ((index >= 0) & (index < t)).reshape(*index.shape, *(1,) * (block.ndim - 2))
+    picks = jnp.clip(index, 0, t - 1).reshape(inside.shape)
+    entries = jnp.take_along_axis(jnp.broadcast_to(block[None], (shards, *block.shape)), picks, axis=2)
+    return jnp.where(inside, entries, chunk.reshape(shards, rows, *chunk.shape[1:])).reshape(chunk.shape)
+
+
+def _chunk_loop(attend_chunk, visible, used, slots: int, shards: int, stats_shape, out_shape):
+    """The running softmax (maximum m [B, ..., T], normaliser, float32 output [B, T, ..., W]) over a cache of
+    whole chunks: chunk j of each of the `shards` runs at step j, skipped by `lax.cond` when it starts at or past
+    `used` (no query of the pass sees it), then each row's runs merged. visible(starts [M]) -> a mask
+    broadcasting against the chunk's scores [M * B, ..., T, C]."""
     run_starts = jnp.arange(shards) * (slots // shards)  # [M] each run's first slot
 
     def chunk(i, carry):
@@ -180,38 +281,33 @@ def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visibl
             m, total, acc = carry
             first = i * ATTENTION_CHUNK
             scores, output_of = attend_chunk(first)
-            visible = visible_slots(ATTENTION_CHUNK, positions, visible_from, run_starts + first)  # [B, M, C]
-            visible = _shard_major(visible).reshape(-1, *heads, 1, ATTENTION_CHUNK)  # [M * B, 1, ..., 1, C]
-            m, rescale, probs = _running_max(m, jnp.where(visible, scores, -jnp.inf))
-            return m, total * rescale + jnp.sum(probs, axis=-1), acc * _per_query(rescale) + output_of(probs)
+            m, rescale, probs = _running_max(m, jnp.where(visible(run_starts + first), scores, -jnp.inf))
+            return m, total * rescale + row_sum(probs), acc * _per_query(rescale) + output_of(probs)
 
         return jax.lax.cond(i * ATTENTION_CHUNK < used, attend, lambda carry: carry, carry)
 
-    rows = block_scores.shape[0] * shards
-    probe = jax.eval_shape(block_output, jax.ShapeDtypeStruct(block_scores.shape, jnp.float32))  # [B, T, ..., W]
-    stats_shape, acc_shape = (rows, *block_scores.shape[1:-1]), (rows, *probe.shape[1:])  # [M * B, ..., T] and W
+    rows = stats_shape[0] * shards
     f32 = jnp.float32
-    start = (jnp.full(stats_shape, -jnp.inf, f32), jnp.zeros(stats_shape, f32), jnp.zeros(acc_shape, f32))
-    m, total, acc = loops.fori_loop(0, chunk_count(slots) // shards, chunk, start)
-    if shards > 1:  # skipped where no chunk was read (a prefill)
+    start = (
+        jnp.full((rows, *stats_shape[1:]), -jnp.inf, f32),
+        jnp.zeros((rows, *stats_shape[1:]), f32),
+        jnp.zeros((rows, *out_shape[1:]), f32),
+    )
+    runs = loops.fori_loop(0, slots // ATTENTION_CHUNK // shards, chunk, start)
+    if shards == 1:
+        return runs
 
-        def merge(runs):  # each row's M runs under their common maximum
-            m, total, acc = (x.reshape(shards, -1, *x.shape[1:]) for x in runs)  # [M, B, ...]
-            top = jnp.max(m, axis=0)  # [B, ..., T]
-            rescale = jnp.exp(m - _finite(top))  # [M, B, ..., T]
-            return top, jnp.sum(total * rescale, axis=0), jnp.sum(acc * _per_query(rescale, 2), axis=0)
+    def merge(runs):  # each row's M runs under their common maximum
+        m, total, acc = (x.reshape(shards, -1, *x.shape[1:]) for x in runs)  # [M, B, ...]
+        top = jnp.max(m, axis=0)  # [B, ..., T]
+        rescale = jnp.exp(m - _finite(top))  # [M, B, ..., T]
+        return top, jnp.sum(total * rescale, axis=0), jnp.sum(acc * _per_query(rescale, 2), axis=0)
 
-        def unseen(runs):  # no chunk was read: the maximum -inf, nothing summed
-            b, fills = block_scores.shape[0], (-jnp.inf, 0, 0)
-            return tuple(jnp.full((b, *x.shape[1:]), fill, f32) for x, fill in zip(runs, fills, strict=True))
+    def unseen(runs):  # no chunk was read (a prefill): the maximum -inf, nothing summed
+        fills = (-jnp.inf, 0, 0)
+        return tuple(jnp.full((stats_shape[0], *x.shape[1:]), fill, f32) for x, fill in zip(runs, fills, strict=True))
 
-        m, total, acc = jax.lax.cond(used > 0, merge, unseen, (m, total, acc))
-    t = block_scores.shape[-1]
-    block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
-    m, rescale, probs = _running_max(m, block_scores)  # each query sees itself: m is finite from here on
-    total = total * rescale + jnp.sum(probs, axis=-1)
-    acc = acc * _per_query(rescale) + block_output(probs)
-    return acc / _per_query(total)
+    return jax.lax.cond(used > 0, merge, unseen, runs)
 
 
 def _running_max(m: jax.Array, scores: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

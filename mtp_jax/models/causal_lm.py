@@ -24,6 +24,7 @@ from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.hybrid_stack import MLP_BLOCKS, GroupStack
 from mtp_jax.models.layers import Attention, DecoderLayer, _init, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.mla import MultiHeadLatentAttention
+from mtp_jax.models.rowwise import project
 from mtp_jax.quant import is_quantized
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain
 
@@ -55,9 +56,9 @@ class LayerStack(nnx.Module):
         if not isinstance(self.layers, nnx.List):
             self.layers = nnx.List(loops.unstacked_modules(self.layers, self.num_layers))
 
-    def new_cache(self, batch: int, slots: int, dtype):
+    def new_cache(self, batch: int, slots: int, dtype, invariant: bool = False):
         """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
-        return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype)
+        return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype, invariant)
 
     def __call__(self, x, positions, rope, cache, lengths=None, recurrent: str = "chunked", visible_from=None):
         """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`).
@@ -67,7 +68,7 @@ class LayerStack(nnx.Module):
 
         def run(layer, x, index):
             layer_past = [LayerSlots(entries, index) for entries in past]  # read in place, not copied per layer
-            x, *new = layer(x, positions, rope, *layer_past, visible_from=visible_from)
+            x, *new = layer(x, positions, rope, *layer_past, visible_from=visible_from, invariant=cache.invariant)
             return x, tuple(new)
 
         if isinstance(self.layers, nnx.List):  # unstacked (`unstack_layers`): one call per layer, in order
@@ -112,7 +113,7 @@ class MtpModule(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, object]:
         e, h = self.token_norm(token_embeds), self.hidden_norm(hidden)
         fused = jnp.concatenate([h, e] if self.hidden_first else [e, h], axis=-1)  # [B, T, 2D]
-        x = jnp.einsum("BTE,ED->BTD", fused, self.proj[...])
+        x = project("BTE,ED->BTD", fused, self.proj[...])
         x, cache = self.block(x, positions, rope, cache, visible_from=visible_from)
         return x, self.final_norm(x), cache
 
@@ -151,16 +152,17 @@ class CausalLM(nnx.Module):
             raise AttributeError(f"this trunk has {len(self.segments)} segments; use `segments`")
         return self.segments[0]
 
-    def new_cache(self, batch: int, slots: int):
+    def new_cache(self, batch: int, slots: int, invariant: bool = False):
         """An empty trunk cache in the model's dtype, per segment: KVCache [L, B, S, K, H] keys and values (GQA) or
         LatentCache [L, B, S, C] (MLA), or a GroupCache (hybrid layer groups: keys and values, DeltaNet states); a
-        tuple of them when the trunk has several segments."""
-        caches = tuple(segment.new_cache(batch, slots, self.dtype) for segment in self.segments)
+        tuple of them when the trunk has several segments. `invariant`: attended in the batch-invariant form, which
+        needs `slots` in whole chunks (mtp_jax.speculative.cache_slots)."""
+        caches = tuple(segment.new_cache(batch, slots, self.dtype, invariant) for segment in self.segments)
         return caches[0] if len(caches) == 1 else caches
 
-    def new_mtp_cache(self, batch: int, slots: int):
+    def new_mtp_cache(self, batch: int, slots: int, invariant: bool = False):
         """An empty MTP-block cache: KVCache [L, B, S, K, H] or LatentCache [L, B, S, C], L = `mtp.block_layers`."""
-        return self.mtp.block.new_cache(batch, slots, self.dtype)
+        return self.mtp.block.new_cache(batch, slots, self.dtype, invariant)
 
     def rope(self, positions: jax.Array):
         cfg = self.config
@@ -211,7 +213,7 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 logits [..., V]."""
-        logits = jnp.einsum("...D,DV->...V", hidden, self.head_weights(), preferred_element_type=jnp.float32)
+        logits = project("...D,DV->...V", hidden, self.head_weights(), jnp.float32)
         return constrain(logits, LOGITS)
 
     def draft_head(self) -> jax.Array | None:
@@ -231,9 +233,9 @@ class CausalLM(nnx.Module):
         rows [Vd, D] `draft_head()` gave, gathered once by the caller; without it they are gathered here."""
         head = self.draft_head() if head is None else head
         if head is not None:
-            return jnp.einsum("...D,VD->...V", hidden, head, preferred_element_type=jnp.float32)
+            return project("...D,VD->...V", hidden, head, jnp.float32)
         if self.mtp is not None and self.mtp.head is not None:
-            return jnp.einsum("...D,DV->...V", hidden, self.mtp.head[...], preferred_element_type=jnp.float32)
+            return project("...D,DV->...V", hidden, self.mtp.head[...], jnp.float32)
         return self.logits(hidden)
 
     def draft_ids(self, draft_index: jax.Array) -> jax.Array:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.cache_attention import grouped_attention
 from mtp_jax.models.layers import _init, apply_rope
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
+from mtp_jax.models.rowwise import project
 
 
 class GatedAttention(nnx.Module):
@@ -46,13 +46,14 @@ class GatedAttention(nnx.Module):
         past_k: jax.Array,  # [B, S, K, H]
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
+        invariant: bool = False,  # the batch-invariant form of attention (models/cache_attention.py)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         with jax.named_scope("gated_attention"):
-            q = self.q_norm(jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...]))
-            k = self.k_norm(jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...]))
-            v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
+            q = self.q_norm(project("BTD,DNH->BTNH", x, self.q_proj[...]))
+            k = self.k_norm(project("BTD,DKH->BTKH", x, self.k_proj[...]))
+            v = project("BTD,DKH->BTKH", x, self.v_proj[...])
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from)
-            out = out * jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", x, self.gate_proj[...]))
-            return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...]), k, v
+            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, invariant)
+            out = out * jax.nn.sigmoid(project("BTD,DNH->BTNH", x, self.gate_proj[...]))
+            return project("BTNH,NHD->BTD", out, self.o_proj[...]), k, v

@@ -30,6 +30,7 @@ from mtp_jax.config import GatedDeltaNetConfig
 from mtp_jax.models import loops
 from mtp_jax.models.layers import _init
 from mtp_jax.models.norms import GatedRMSNorm
+from mtp_jax.models.rowwise import project, row_sum
 
 CHUNK = 64  # tokens per chunk of the parallel form (as the HF reference)
 L2_EPS = 1e-6  # q/k L2 norm: x * rsqrt(sum(x^2) + eps)
@@ -93,7 +94,7 @@ def conv_states_after(window: jax.Array, counts: jax.Array, state_len: int) -> j
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+    return x * jax.lax.rsqrt(row_sum(x * x)[..., None] + L2_EPS)
 
 
 def recurrent_delta_rule(
@@ -216,7 +217,7 @@ class GatedDeltaNet(nnx.Module):
     def _rule_inputs(self, x: jax.Array, state: DeltaNetState):
         """x [B, T, D] -> (q, k, v, g, beta float32 as the delta rule takes them, z [B, T, N, Y], conv window)."""
         cfg = self.cfg
-        mixed, window = causal_conv(jnp.einsum("BTD,DC->BTC", x, self.in_proj_qkv[...]), state.conv, self.conv[...])
+        mixed, window = causal_conv(project("BTD,DC->BTC", x, self.in_proj_qkv[...]), state.conv, self.conv[...])
         b, t, _ = mixed.shape
         q, k, v = jnp.split(mixed.astype(jnp.float32), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         groups = cfg.num_value_heads // cfg.num_key_heads
@@ -224,16 +225,16 @@ class GatedDeltaNet(nnx.Module):
         q = l2_normalize(q) / math.sqrt(cfg.key_head_dim)
         k = l2_normalize(k)
         v = v.reshape(b, t, cfg.num_value_heads, cfg.value_head_dim)
-        a = jnp.einsum("BTD,DN->BTN", x, self.in_proj_a[...]).astype(jnp.float32)
+        a = project("BTD,DN->BTN", x, self.in_proj_a[...]).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        beta = jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", x, self.in_proj_b[...])).astype(jnp.float32)
-        z = jnp.einsum("BTD,DNY->BTNY", x, self.in_proj_z[...])
+        beta = jax.nn.sigmoid(project("BTD,DN->BTN", x, self.in_proj_b[...])).astype(jnp.float32)
+        z = project("BTD,DNY->BTNY", x, self.in_proj_z[...])
         return q, k, v, g, beta, z, window
 
     def _output(self, core: jax.Array, z: jax.Array, dtype) -> jax.Array:
         """core [B, T, N, Y] float32, z [B, T, N, Y] -> [B, T, D]."""
         gated = self.norm(core.astype(dtype), z)
-        return jnp.einsum("BTNY,NYD->BTD", gated, self.out_proj[...])
+        return project("BTNY,NYD->BTD", gated, self.out_proj[...])
 
     def prefill(
         self,

@@ -39,9 +39,10 @@ class DeltaNetLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, state: DeltaNetState, lengths, recurrent: str) -> tuple[jax.Array, DeltaNetState]:
+    def __call__(self, x, state: DeltaNetState, lengths, recurrent: str, invariant: bool = False):
         """x [B, T, D] -> (x, the state `recurrent` names: after each row's `lengths` tokens ("chunked"), after
-        every position [B, T, ...] ("every_state"), after the last position ("last_state"))."""
+        every position [B, T, ...] ("every_state"), after the last position ("last_state")). `invariant`: the MLP's
+        batch-invariant form (the delta rule's sums are each row's own in every form)."""
         x = constrain(x, HIDDEN)
         normed = self.input_norm(x)
         with jax.named_scope("attention"):
@@ -53,7 +54,7 @@ class DeltaNetLayer(nnx.Module):
                     state = jax.tree.map(lambda per_position: per_position[:, -1], state)  # [B, T, ...] -> [B, ...]
         x = x + constrain(out, HIDDEN)
         with jax.named_scope("mlp"):
-            x = x + constrain(self.mlp(self.post_attention_norm(x)), HIDDEN)
+            x = x + constrain(self.mlp(self.post_attention_norm(x), invariant=invariant), HIDDEN)
         return x, state
 
 
@@ -94,12 +95,12 @@ class GroupStack(nnx.Module):
                 [nnx.List(loops.unstacked_modules(member, self.repeats)) for member in self.members]
             )
 
-    def new_cache(self, batch: int, slots: int, dtype) -> GroupCache:
+    def new_cache(self, batch: int, slots: int, dtype, invariant: bool = False) -> GroupCache:
         """Empty caches: KVCache [R, B, S, K, H] per attention layer, zero DeltaNetStates [R, B, ...] per DeltaNet."""
         members = tuple(
             deltanet_states(self.repeats, batch, self.config, dtype)
             if kind.attention == "deltanet"
-            else KVCache.zeros(self.repeats, batch, slots, self.config, dtype)
+            else KVCache.zeros(self.repeats, batch, slots, self.config, dtype, invariant)
             for kind in self.kinds
         )
         return GroupCache(members=members).constrained()
@@ -110,6 +111,7 @@ class GroupStack(nnx.Module):
         if recurrent not in RECURRENT_FORMS:
             raise ValueError(f"recurrent form {recurrent!r}: expected one of {', '.join(RECURRENT_FORMS)}")
         past = cache.constrained().members
+        invariant = cache.invariant
         # DeltaNet states are scanned over (each repeat reads its whole state); attention caches are read in place.
         deltanet = [kind.attention == "deltanet" for kind in self.kinds]
         states = tuple(entry if is_deltanet else None for is_deltanet, entry in zip(deltanet, past, strict=True))
@@ -119,11 +121,11 @@ class GroupStack(nnx.Module):
             for j, (kind, layer) in enumerate(zip(self.kinds, layers, strict=True)):
                 with jax.named_scope(f"layer_{j}"):
                     if kind.attention == "deltanet":
-                        x, state = layer(x, repeat_states[j], lengths, recurrent)
+                        x, state = layer(x, repeat_states[j], lengths, recurrent, invariant)
                         new.append(state)
                     else:
                         keys, values = LayerSlots(past[j].k, repeat), LayerSlots(past[j].v, repeat)
-                        x, k, v = layer(x, positions, rope, keys, values)
+                        x, k, v = layer(x, positions, rope, keys, values, invariant=invariant)
                         new.append((k, v))
             return x, tuple(new)
 
@@ -146,6 +148,6 @@ class GroupStack(nnx.Module):
                 members.append(entry)
             else:
                 k, v = entry
-                members.append(KVCache(k=write_slots(old.k, k, positions), v=write_slots(old.v, v, positions)))
+                members.append(old.replace(k=write_slots(old.k, k, positions), v=write_slots(old.v, v, positions)))
         updated = GroupCache(members=tuple(members))
         return x, (updated if recurrent == "every_state" else updated.constrained())

@@ -16,6 +16,7 @@ from flax import nnx
 from mtp_jax.config import ModelConfig, RopeConfig
 from mtp_jax.models.cache_attention import grouped_attention
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
+from mtp_jax.models.rowwise import project, row_sum
 from mtp_jax.sharding import HIDDEN, constrain
 
 
@@ -34,7 +35,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = x32 * jax.lax.rsqrt(row_sum(x32 * x32)[..., None] / x32.shape[-1] + self.eps)
         return self.scale[...] * normed.astype(x.dtype)
 
 
@@ -131,11 +132,12 @@ class Attention(nnx.Module):
         past_k: jax.Array,  # [B, S, K, H] this layer's cache; slots >= positions[:, 0] are ignored
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
+        invariant: bool = False,  # the batch-invariant form of attention (models/cache_attention.py)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
-        k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...])
-        v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
+        q = project("BTD,DNH->BTNH", x, self.q_proj[...])
+        k = project("BTD,DKH->BTKH", x, self.k_proj[...])
+        v = project("BTD,DKH->BTKH", x, self.v_proj[...])
         if self.has_qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
@@ -144,8 +146,8 @@ class Attention(nnx.Module):
 
         # Attend to the cache before this block (rollback is by length: later slots are stale) and, causally,
         # to the block itself; one softmax over both.
-        out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from)  # [B, T, N, H]
-        out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
+        out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, invariant)  # [B,T,N,H]
+        out = project("BTNH,NHD->BTD", out, self.o_proj[...])
         if self.o_bias is not None:
             out = out + self.o_bias[...]
         return out, k, v
@@ -165,12 +167,13 @@ class SwiGLU(nnx.Module):
             self.down_bias = nnx.Param(_init(rngs, (d,), dtype, 1))
         self.has_bias = cfg.mlp_bias
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
-        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...])
-        up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...])
+    def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:  # [B, T, D] -> [B, T, D]
+        """`invariant` (batch-invariant decoding) changes nothing here: every row's sums are its own already."""
+        gate = project("BTD,DF->BTF", x, self.gate_proj[...])
+        up = project("BTD,DF->BTF", x, self.up_proj[...])
         if self.has_bias:
             gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
-        out = jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...])
+        out = project("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...])
         return out + self.down_bias[...] if self.has_bias else out
 
 
@@ -187,16 +190,18 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope, *past, visible_from=None):
+    def __call__(self, x, positions, rope, *past, visible_from=None, invariant: bool = False):
         """x [B, T, D] and this layer's cache arrays -> (x, *this block's cache entries).
 
         GQA: past = (keys, values) [B, S, K, H], new keys and values [B, T, K, H]. MLA: past = (latents [B, S, C],),
         new latents [B, T, C]. `visible_from` [B]: cache slots before it are not attended to (None: all are).
+        `invariant`: attention in its batch-invariant form (models/cache_attention.py).
         """
         x = constrain(x, HIDDEN)
         with jax.named_scope("attention"):
-            attn_out, *new = self.attn(self.input_norm(x), positions, rope, *past, visible_from=visible_from)
+            normed = self.input_norm(x)
+            attn_out, *new = self.attn(normed, positions, rope, *past, visible_from=visible_from, invariant=invariant)
         x = x + constrain(attn_out, HIDDEN)
         with jax.named_scope("mlp"):
-            x = x + constrain(self.mlp(self.post_attention_norm(x)), HIDDEN)
+            x = x + constrain(self.mlp(self.post_attention_norm(x), invariant=invariant), HIDDEN)
         return (x, *new)

@@ -28,12 +28,17 @@ from mtp_jax.models.cache_attention import (
     ATTENTION_CHUNK,
     LayerSlots,
     attend_in_chunks,
+    attend_written_cache,
     chunk_count,
     past_and_block_probs,
     read_chunks,
     read_slots,
+    two_rows,
+    whole_chunk_runs,
+    with_block,
 )
 from mtp_jax.models.layers import RMSNorm, _init, apply_rope
+from mtp_jax.models.rowwise import float32_product, project
 from mtp_jax.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
 
 
@@ -67,12 +72,12 @@ class MultiHeadLatentAttention(nnx.Module):
 
     def queries(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, N, H+P]
         if self.q_proj is not None:
-            return jnp.einsum("BTD,DNJ->BTNJ", x, self.q_proj[...])
-        q_latent = self.q_a_norm(jnp.einsum("BTD,DQ->BTQ", x, self.q_a_proj[...]))
-        return jnp.einsum("BTQ,QNJ->BTNJ", q_latent, self.q_b_proj[...])
+            return project("BTD,DNJ->BTNJ", x, self.q_proj[...])
+        q_latent = self.q_a_norm(project("BTD,DQ->BTQ", x, self.q_a_proj[...]))
+        return project("BTQ,QNJ->BTNJ", q_latent, self.q_b_proj[...])
 
     def latents(self, x: jax.Array, rope) -> jax.Array:  # [B, T, D] -> [B, T, C]: what the cache stores
-        kv = jnp.einsum("BTD,DC->BTC", x, self.kv_a_proj[...])
+        kv = project("BTD,DC->BTC", x, self.kv_a_proj[...])
         latent = self.kv_a_norm(kv[..., : self.latent_rank])  # [B, T, R]
         rope_key = apply_rope(kv[:, :, None, self.latent_rank :], *rope, interleaved=self.interleaved)[:, :, 0]
         return jnp.concatenate([latent, rope_key], axis=-1)
@@ -95,19 +100,27 @@ class MultiHeadLatentAttention(nnx.Module):
         past: jax.Array | LayerSlots,  # [B, S, C] this layer's latent cache; slots >= positions[:, 0] are ignored
         absorb: bool | None = None,
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
+        invariant: bool = False,  # the batch-invariant form of attention (models/cache_attention.py)
     ) -> tuple[jax.Array, jax.Array]:
-        """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way (absorbed over a
-        cache split over its slots)."""
+        """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way for the block's
+        length (absorbed over a cache split over its slots, and always in the invariant form, whose arithmetic may
+        not depend on the block's length)."""
         q = self.queries(x)
         q_nope = q[..., : self.nope_dim]  # [B, T, N, H]
         q_rope = apply_rope(q[..., self.nope_dim :], *rope, interleaved=self.interleaved)  # [B, T, N, P]
         block = self.latents(x, rope)  # [B, T, C]
         shards = slot_shards(LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
         if absorb is None:
-            absorb = shards > 1 or self.absorbs(x.shape[1])
-        attend = self._absorbed if absorb else self._expanded
-        out = attend(q_nope * self.scale, q_rope * self.scale, past, block, positions, visible_from, x.dtype, shards)
-        return jnp.einsum("BTNW,NWD->BTD", out, self.o_proj[...]), block
+            absorb = invariant or shards > 1 or self.absorbs(x.shape[1])
+        if invariant and not absorb:
+            raise ValueError("the batch-invariant form of latent attention attends absorbed")
+        q_nope, q_rope = q_nope * self.scale, q_rope * self.scale
+        if invariant:
+            out = self._absorbed_invariant(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards)
+        else:
+            attend = self._absorbed if absorb else self._expanded
+            out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards)
+        return project("BTNW,NWD->BTD", out, self.o_proj[...]), block
 
     def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int):
         """Per-head keys and values from every latent, then ordinary attention (chunk by chunk over a cache of whole
@@ -116,7 +129,7 @@ class MultiHeadLatentAttention(nnx.Module):
         f32 = jnp.float32
 
         def keys_values(latents):  # [B, S, C] -> keys [B, S, N, H], values [B, S, N, W], rotary keys [B, S, P]
-            kv = jnp.einsum("BSR,RNI->BSNI", latents[..., : self.latent_rank], kv_b)
+            kv = project("BSR,RNI->BSNI", latents[..., : self.latent_rank], kv_b)
             return kv[..., : self.nope_dim], kv[..., self.nope_dim :], latents[..., self.latent_rank :]
 
         def scores_and_values(latents, q_nope=q_nope, q_rope=q_rope):  # [B, S, C] -> float32 [B, N, T, S], [B, S, N, W]
@@ -150,7 +163,7 @@ class MultiHeadLatentAttention(nnx.Module):
         w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
         f32 = jnp.float32
         r = self.latent_rank
-        q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, w_uk)
+        q_latent = project("BTNH,RNH->BTNR", q_nope, w_uk)
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, C]: matches a cached row [latent, rope]
         if shards > 1:
             query = constrain(query, WHOLE_HEADS)
@@ -161,8 +174,7 @@ class MultiHeadLatentAttention(nnx.Module):
             def attend_chunk(first):
                 latents = read_chunks(past, first, ATTENTION_CHUNK, shards).astype(dtype)  # [M * B, S, C], S: a chunk
                 scores = jnp.einsum("BTNC,BSC->BNTS", query_rows, latents, preferred_element_type=f32)
-                return scores, lambda probs: jnp.einsum("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r],
-                                                        preferred_element_type=f32)  # fmt: skip
+                return scores, lambda probs: float32_product("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r])
 
             def block_output(probs):  # [B, N, T, U] -> [B, T, N, R]
                 return jnp.einsum(
@@ -173,10 +185,39 @@ class MultiHeadLatentAttention(nnx.Module):
                                           past.shape[1], shards).astype(dtype)  # fmt: skip
             if shards > 1:
                 out_latent = constrain(out_latent, HEADS)
-            return jnp.einsum("BTNR,RNW->BTNW", out_latent, w_uv)
+            return project("BTNR,RNW->BTNW", out_latent, w_uv)
         past = read_slots(past).astype(dtype)
         past_scores = jnp.einsum("BTNC,BSC->BNTS", query, past, preferred_element_type=f32)
         past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
         out_latent = jnp.einsum("BNTS,BSR->BTNR", past_probs.astype(past.dtype), past[..., :r])
         out_latent += jnp.einsum("BNTU,BUR->BTNR", block_probs.astype(block.dtype), block[..., :r])
-        return jnp.einsum("BTNR,RNW->BTNW", out_latent, w_uv)
+        return project("BTNR,RNW->BTNW", out_latent, w_uv)
+
+    def _absorbed_invariant(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int):
+        """`_absorbed` in the batch-invariant form (cache_attention.attend_written_cache): the block's latents
+        written into the chunks first, each query attending to the slots up to its own position."""
+        kv_b = self.kv_b_proj[...]
+        w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
+        r, slots = self.latent_rank, past.shape[1]
+        query = jnp.concatenate([project("BTNH,RNH->BTNR", q_nope, w_uk), q_rope], axis=-1)  # [B, T, N, C]
+        if shards > 1:
+            query = constrain(query, WHOLE_HEADS)
+        query_rows = jnp.tile(query, (shards, 1, 1, 1))  # [M * B, T, N, C]
+        run_starts, entries = whole_chunk_runs(slots, shards), block.astype(past.dtype)  # as the cache will hold it
+        widen = two_rows if query_rows.shape[0] == 1 else lambda x: x
+        query_rows = widen(query_rows)
+
+        def attend_chunk(first):
+            chunk = read_chunks(past, first, ATTENTION_CHUNK, shards)  # [M * B, S, C], S: a chunk
+            latents = widen(with_block(chunk, entries, positions, run_starts + first)).astype(dtype)
+            scores = jnp.einsum("BTNC,BSC->BNTS", query_rows, latents, preferred_element_type=jnp.float32)
+            return scores, lambda probs: float32_product("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r])
+
+        b, t, n, _ = query.shape
+        rows = widen(positions), None if visible_from is None else widen(visible_from)
+        wide = rows[0].shape[0]
+        out_latent = attend_written_cache(attend_chunk, *rows, slots, shards, (wide, n, t), (wide, t, n, r))
+        out_latent = out_latent[:b].astype(dtype)
+        if shards > 1:
+            out_latent = constrain(out_latent, HEADS)
+        return project("BTNR,RNW->BTNW", out_latent, w_uv)

@@ -7,7 +7,9 @@ matmul (`jax.lax.ragged_dot`, group sizes = rows per expert); the outputs are pu
 with their routing weights. A small pass (a decode step or a verify block, at most DENSE_EXPERT_ROWS rows) runs
 every expert on every row and weights each output by the row's routing (zero for experts it did not pick): reading
 the weights costs it as much time as the extra flops, and plain dots read a stacked layer's weights where they
-lie. Shared experts (a plain SwiGLU) see every token.
+lie. Batch-invariant decoding (DecodeConfig.invariant) runs every pass that way, a large one in tiles of
+DENSE_EXPERT_ROWS rows: a row's sums then never depend on how many rows came with it (a prefill pays E / O times
+the routed experts' flops for it). Shared experts (a plain SwiGLU) see every token.
 
 On a mesh whose rules split the expert weights (experts over `expert`, their width over `model`), the weights stay
 where they live and the tokens go to them: inside `jax.shard_map` every expert shard sees all the rows of its data
@@ -27,6 +29,7 @@ from flax import nnx
 from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers import SwiGLU, _init
+from mtp_jax.models.rowwise import project, row_sum
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # [E, D, F], [E, D, F], [E, F, D]
 # Passes of at most this many rows (decode steps, verify blocks) run every expert on every row: a weight element
@@ -45,17 +48,21 @@ def routed_experts(
     down: jax.Array,
     first: jax.Array | int = 0,
     down_dtype=None,
+    invariant: bool = False,
 ) -> jax.Array:
     """Routed outputs [M, D] float32 of x [M, D] through the experts gate, up [E, D, F] and down [E, F, D], which
     hold the global expert ids first .. first + E - 1: a (token, pick) row picking another expert contributes zero.
 
-    weights, experts [M, O]: routing weights and global expert ids. `down_dtype`: the down projection's output type
-    (None: x's; float32 where the F of these experts is a slice and the caller adds the partial outputs).
+    weights, experts [M, O]: routing weights and global expert ids. `down_dtype`: the grouped matmuls' down
+    projection output type (None: x's; float32 where the F of these experts is a slice and the caller adds the
+    partial outputs). `invariant`: every pass through every expert (`_every_expert_in_tiles`).
     """
     picks, local = experts.shape[1], gate.shape[0]
     ids = experts - first  # [M, O] local expert ids
     if x.shape[0] <= DENSE_EXPERT_ROWS:
-        return _every_expert(x, weights, ids, gate, up, down, down_dtype)
+        return _every_expert(x, weights, ids, gate, up, down)
+    if invariant:
+        return _every_expert_in_tiles(x, weights, ids, gate, up, down)
     mine = (ids >= 0) & (ids < local)
     flat = jnp.where(mine, ids, local).reshape(-1)  # [M * O]; other shards' rows get id E: sorted last, no group
     order = jnp.argsort(flat)  # rows sorted by expert (stable)
@@ -68,13 +75,28 @@ def routed_experts(
     return jnp.einsum("MOD,MO->MD", out.astype(jnp.float32), weights)
 
 
-def _every_expert(x, weights, ids, gate, up, down, down_dtype) -> jax.Array:
-    """`routed_experts` for a small pass: every local expert on every row [M, D], each output weighted by what
-    the row's picks give that expert (zero where none picks it; ids [M, O] local, out of range for other shards)."""
-    mix = jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, gate.shape[0], dtype=jnp.float32))  # [M, E]
-    hidden = jax.nn.silu(jnp.einsum("MD,EDF->MEF", x, gate)) * jnp.einsum("MD,EDF->MEF", x, up)  # [M, E, F]
-    out = jnp.einsum("MEF,EFD->MED", hidden, down, preferred_element_type=down_dtype)  # [M, E, D]
-    return jnp.einsum("MED,ME->MD", out.astype(jnp.float32), mix)
+def _every_expert(x, weights, ids, gate, up, down) -> jax.Array:
+    """`routed_experts` for a small pass: every local expert on every row [M, D], each expert's hidden weighted by
+    what the row's picks give that expert (zero where none picks it; ids [M, O] local, out of range for other
+    shards), and all experts' down projections summed in one matmul over (expert, F)."""
+    e, f, d = down.shape
+    mix = jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, e, dtype=jnp.float32))  # [M, E]
+    hidden = jax.nn.silu(project("MD,EDF->MEF", x, gate)) * project("MD,EDF->MEF", x, up)  # [M, E, F]
+    mixed = (hidden * mix[..., None]).astype(hidden.dtype).reshape(-1, e * f)  # [M, E * F]
+    return project("MX,XD->MD", mixed, down.reshape(e * f, d), jnp.float32)
+
+
+def _every_expert_in_tiles(x, weights, ids, gate, up, down) -> jax.Array:
+    """`_every_expert` over tiles of DENSE_EXPERT_ROWS rows of x [M, D], one after another (padding rows pick no
+    expert); float32 [M, D]."""
+    rows, tile = x.shape[0], DENSE_EXPERT_ROWS
+    pad = -rows % tile
+
+    def tiles(a, fill):  # [M, ...] -> [M / tile, tile, ...]
+        return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1), constant_values=fill).reshape(-1, tile, *a.shape[1:])
+
+    out = jax.lax.map(lambda t: _every_expert(*t, gate, up, down), (tiles(x, 0), tiles(weights, 0), tiles(ids, -1)))
+    return out.reshape(-1, out.shape[-1])[:rows]
 
 
 def _mesh_axes(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -116,7 +138,7 @@ class MoE(nnx.Module):
         """x [M, D] -> (weights [M, O] float32, expert ids [M, O] int32)."""
         r = self.routing
         f32 = jnp.float32
-        scores = jax.nn.sigmoid(jnp.einsum("MD,DE->ME", x.astype(f32), self.router[...].astype(f32)))
+        scores = jax.nn.sigmoid(project("MD,DE->ME", x.astype(f32), self.router[...].astype(f32)))
         choice = scores + self.router_bias[...]
         if r.num_groups > 1:
             per_group = r.num_experts // r.num_groups
@@ -128,18 +150,20 @@ class MoE(nnx.Module):
         experts = jax.lax.top_k(choice, r.experts_per_token)[1]  # [M, O]
         weights = jnp.take_along_axis(scores, experts, axis=1)
         if r.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+            weights = weights / (row_sum(weights)[..., None] + 1e-20)
         return weights * r.routed_scaling_factor, experts.astype(jnp.int32)
 
-    def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    def experts(self, x: jax.Array, weights: jax.Array, experts: jax.Array, invariant: bool = False) -> jax.Array:
         """Routed outputs [B, T, D] of x [B, T, D] (routing weights, expert ids [B, T, O]): each (token, pick) row
-        goes through its own expert only; where the rules split the expert weights, on the shards holding it."""
+        goes through its own expert only; where the rules split the expert weights, on the shards holding it.
+        `invariant`: the batch-invariant form (`routed_experts`)."""
         params = tuple(getattr(self, name)[...] for name in EXPERT_WEIGHTS)
         rules = sharding.active_rules()
         plan = None if rules is None else _expert_parallel(rules, params, x.shape)
         if plan is None:
             d, o = x.shape[-1], experts.shape[-1]
-            out = routed_experts(x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o), *params)
+            flat = (x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o))
+            out = routed_experts(*flat, *params, invariant=invariant)
             return out.astype(x.dtype).reshape(x.shape)
         rows, specs, expert_axes, split = plan
 
@@ -147,18 +171,19 @@ class MoE(nnx.Module):
             d, o = x.shape[-1], experts.shape[-1]
             first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
             flat = (x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o))
-            out = routed_experts(*flat, gate, up, down, first, down_dtype=jnp.float32)  # [b * T, D] partial sums
+            out = routed_experts(*flat, gate, up, down, first, jnp.float32, invariant)  # [b * T, D] partial sums
             return jax.lax.psum(out, split).astype(x.dtype).reshape(x.shape)
 
         run = jax.shard_map(shard, mesh=rules.mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows)
         return run(x, weights, experts, *params)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
+    def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:  # [B, T, D] -> [B, T, D]
+        """`invariant`: the batch-invariant form of the routed experts (`routed_experts`)."""
         with jax.named_scope("router"):
             weights, experts = self.route(x.reshape(-1, x.shape[-1]))  # [M, O] each
         with jax.named_scope("routed_experts"):
             picks = (*x.shape[:-1], -1)
-            out = self.experts(x, weights.reshape(picks), experts.reshape(picks))
+            out = self.experts(x, weights.reshape(picks), experts.reshape(picks), invariant)
         if self.shared is not None:
             with jax.named_scope("shared_experts"):
                 out = out + self.shared(x)

@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax.models.rowwise import row_sum
+
 
 def _normalize(x32: jax.Array, eps: float) -> jax.Array:
     """x / sqrt(mean(x^2) + eps) over the last axis, float32 in and out."""
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * jax.lax.rsqrt(row_sum(x32 * x32)[..., None] / x32.shape[-1] + eps)
 
 
 class ZeroCenteredRMSNorm(nnx.Module):

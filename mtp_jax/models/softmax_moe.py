@@ -17,6 +17,7 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers import SwiGLU, _init
 from mtp_jax.models.moe import MoE
+from mtp_jax.models.rowwise import project, row_sum
 
 
 class GatedSharedExpert(nnx.Module):
@@ -27,7 +28,7 @@ class GatedSharedExpert(nnx.Module):
         self.gate = nnx.Param(_init(rngs, (cfg.hidden_size,), dtype, cfg.hidden_size))  # [D]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
-        gate = jax.nn.sigmoid(jnp.einsum("BTD,D->BT", x, self.gate[...]))
+        gate = jax.nn.sigmoid(project("BTD,D->BT", x, self.gate[...]))
         return gate[..., None] * self.mlp(x)
 
 
@@ -50,8 +51,10 @@ class SoftmaxMoE(MoE):
         """x [M, D] -> (weights [M, O] float32, expert ids [M, O] int32)."""
         r = self.routing
         f32 = jnp.float32
-        probs = jax.nn.softmax(jnp.einsum("MD,DE->ME", x.astype(f32), self.router[...].astype(f32)), axis=-1)
+        logits = project("MD,DE->ME", x.astype(f32), self.router[...].astype(f32))
+        exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        probs = exp / row_sum(exp)[..., None]  # the softmax, summed in a fixed order
         weights, experts = jax.lax.top_k(probs, r.experts_per_token)
         if r.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+            weights = weights / row_sum(weights)[..., None]
         return weights * r.routed_scaling_factor, experts.astype(jnp.int32)

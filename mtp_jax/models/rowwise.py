@@ -1,0 +1,90 @@
+"""Projections and sums whose every row comes out the same whatever else shares the pass.
+
+A decode step multiplies B * T rows of activations by each weight: 1 row for a plain step at batch 1, B * (k + 1)
+for a verify block, thousands for a prefill. Backends pick a matmul algorithm by shape, and a row's float32 sums
+then depend on how many rows came with it. Measured on XLA:CPU: a one-row product runs a matrix-vector kernel whose
+sums differ from those of every product of 2 or more rows, and a bfloat16 product rounded to bfloat16 inside the dot
+differs again between 32 and 40 rows; with bfloat16 operands and float32 results, every product of 2 to 4096 rows
+gave each row bit for bit the same sums, wherever the row sat (and 5-9x faster there than a bfloat16-out dot).
+
+So every projection here takes float32 results (`preferred_element_type`) and rounds once to the activations'
+dtype, and a pass of a single row is computed as two (the row and a copy; the copy is dropped). Accelerators
+accumulate matmuls in float32 anyway, and a second row is free on them.
+
+Sums along a row (a norm's mean square, a softmax's total) are reductions, and XLA picks a reduction's order by
+shape too: on XLA:CPU the float32 mean square of 576 values came out differently for 1, 2, 4 and 8 rows in most of
+200 random trials. `row_sum` adds halves elementwise instead, a fixed tree whatever the number of rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.sharding import active_platform
+
+
+def project(equation: str, x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
+    """jnp.einsum(equation, x, weight) with float32 results rounded to `out_dtype` (default: x's dtype). x's axes
+    that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows; "...D,DV->...V": every leading
+    axis; "EMF,EFD->EMD": M rows for each E); a single row is computed beside a copy of itself."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    row_axis = _single_row_axis(equation, x)
+    if row_axis is not None:
+        x = jnp.concatenate([x, x], axis=row_axis[0])
+    if _batched(equation) and out_dtype == x.dtype:
+        out = jnp.einsum(equation, x, weight)  # XLA:CPU runs no float32-out product of bfloat16 batches in some layouts
+    else:
+        out = jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
+    return out if row_axis is None else jax.lax.slice_in_dim(out, 0, 1, axis=row_axis[1])
+
+
+def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum(equation, a, b) with float32 results. On XLA:CPU from float32 operands: its batched matmul has
+    no bfloat16 x bfloat16 -> float32 kernel in some layouts (latent attention's probabilities times latents failed
+    to run), and a product of two bfloat16 values is exact in float32, so only the order of the float32 sums may
+    differ. Elsewhere the operands stay as given."""
+    if active_platform() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+
+
+def _batched(equation: str) -> bool:
+    """Whether the equation is a batch of matmuls (an axis of x and the weight that the output keeps)."""
+    inputs, output = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    return any(letter in rhs and letter in output for letter in lhs.removeprefix("..."))
+
+
+def _single_row_axis(equation: str, x: jax.Array) -> tuple[int, int] | None:
+    """Where x brings a single row to `equation` (a leading "..." only): (an axis of x, the same axis in the
+    output) to widen it along; None when x has several rows or none."""
+    inputs, output = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    letters = lhs.removeprefix("...")
+    leading = x.ndim - len(letters)  # the axes "..." stands for
+    row_letters = [letter for letter in letters if letter not in rhs]
+    sizes = dict(zip(letters, x.shape[leading:], strict=True))
+    if math.prod(x.shape[:leading]) * math.prod(sizes[letter] for letter in row_letters) != 1:
+        return None
+    if leading:
+        return 0, 0
+    if not row_letters:
+        return None
+    letter = row_letters[0]
+    return letters.index(letter), output.index(letter)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+    """[..., W] -> [...]: the sum along the last axis as a fixed binary tree of elementwise adds (the axis padded
+    with zeros to a power of two, then its halves added until one value is left), the same sums in the same order
+    for every row whatever the other axes hold."""
+    width = x.shape[-1]
+    size = 1 << max(width - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - width)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
