@@ -133,3 +133,15 @@ def test_row_sums_and_projections_do_not_depend_on_the_number_of_rows():
     for count in (1, 2, 3, 8):
         np.testing.assert_array_equal(np.asarray(sums(x[:count])), full[:count])
         np.testing.assert_array_equal(np.asarray(proj(rows[:count]).astype(jnp.float32)), projected[:count])
+
+
+def test_the_stage_by_stage_tool_finds_nothing_in_the_invariant_mode():
+    """`python -m mtp_jax.invariance`'s comparison on a tiny GQA model: with invariant numerics, rows alone and in
+    a batch agree at every stage of the prefill and of a decode step."""
+    from mtp_jax.invariance import compare
+
+    model = _model("gqa")
+    prompts = [list(p) for p in _tokens(model.config.vocab_size)[0]]
+    clean = compare(model, prompts, invariant=True)
+    assert clean["differing_rows_by_stage"] == {"prefill": {}, "step": {}}
+    assert clean["first_differing_stage_by_row"]["step"] == [None] * len(prompts)
