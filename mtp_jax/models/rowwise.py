@@ -29,13 +29,15 @@ from mtp_jax.sharding import active_platform
 def project(equation: str, x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
     """jnp.einsum(equation, x, weight) with float32 results rounded to `out_dtype` (default: x's dtype). x's axes
     that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows; "...D,DV->...V": every leading
-    axis; "EMF,EFD->EMD": M rows for each E); a single row is computed beside a copy of itself."""
+    axis; "EMF,EFD->EMD": M rows for each E); a single row is computed beside a copy of itself. A batch of matmuls
+    (an axis of x and the weight that the output keeps, e.g. latent attention's per-head absorption) keeps x's
+    dtype out, as plain einsum does: XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     row_axis = _single_row_axis(equation, x)
     if row_axis is not None:
         x = jnp.concatenate([x, x], axis=row_axis[0])
     if _batched(equation) and out_dtype == x.dtype:
-        out = jnp.einsum(equation, x, weight)  # XLA:CPU runs no float32-out product of bfloat16 batches in some layouts
+        out = jnp.einsum(equation, x, weight)
     else:
         out = jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
     return out if row_axis is None else jax.lax.slice_in_dim(out, 0, 1, axis=row_axis[1])
