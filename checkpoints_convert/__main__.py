@@ -6,10 +6,13 @@ import argparse
 import sys
 import time
 
-from checkpoints_convert.errors import ConversionError
+from mtp_jax.conversion.convert import config_of, convert_params, write_converted
+from mtp_jax.conversion.writer import check_destination
+from mtp_jax.errors import run_cli
+from mtp_jax.params.open_source import open_source
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m checkpoints_convert",
         description="Convert a Hugging Face safetensors folder or a .gguf file into an mtp_jax folder.",
@@ -18,14 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dst", help="new output folder (written atomically)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def convert(args: argparse.Namespace) -> int:
+    """Convert SRC into DST (written whole or not at all), then one summary line."""
     start = time.perf_counter()
     try:
-        from checkpoints_convert.convert import config_of, convert_params, write_converted
-        from checkpoints_convert.source import open_source
-        from checkpoints_convert.writer import check_destination
-
         check_destination(args.dst, args.overwrite)
         source = open_source(args.src)
         cfg = config_of(source)
@@ -39,15 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             "tensors_ignored": plan.ignored,
         }
         write_converted(args.dst, cfg, params, source.load_tokenizer(), report, args.overwrite)
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        print(f"error: {e.filename or args.src}: {e.strerror or e}", file=sys.stderr)
-        return 1
+    except OSError as e:  # a file the error does not name is SRC's
+        raise OSError(e.errno, e.strerror or str(e), e.filename or args.src) from None
     except KeyboardInterrupt:
-        print(f"interrupted: nothing half-written at {args.dst}", file=sys.stderr)
-        return 130
+        raise KeyboardInterrupt(f"nothing half-written at {args.dst}") from None
     total = len(plan.targets) + len(plan.ignored)
     ignored = f", {len(plan.ignored)} ignored" + (
         f" ({'; '.join(sorted(set(plan.ignored.values())))})" if plan.ignored else ""
@@ -57,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         f"every parameter filled; wrote {args.dst} in {time.perf_counter() - start:.1f}s"
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(convert, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ Any round keeps the output exact (each is a complete speculative step), so the c
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 PRIOR_RATE = 0.5  # acceptance at depth 0 assumed before any evidence ...
 PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
@@ -138,8 +136,6 @@ def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int) ->
 def step_param_bytes(model) -> tuple[int, int]:
     """Parameter bytes a plain step reads (trunk layers, final norm, output head) and a draft step reads (the MTP
     layer and the rows of the draft vocabulary of its head). Embedding tables count only as the tied head."""
-    from flax import nnx
-
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     head = size(model.head_weights())
     trunk = sum(size(nnx.state(segment)) for segment in model.segments) + size(nnx.state(model.final_norm)) + head
@@ -151,8 +147,3 @@ def step_param_bytes(model) -> tuple[int, int]:
         draft_head = draft_head * model.draft_vocab[...].shape[0] // model.config.vocab_size
     own = sum(size(p[...]) for p in (model.mtp.head, model.mtp.embed) if p is not None)  # counted apart above
     return trunk, size(mtp) - own + draft_head
-
-
-def validate_round_costs(costs: tuple[float, ...], max_draft: int) -> None:
-    if len(costs) != max_draft + 1 or not all(math.isfinite(c) and c > 0 for c in costs):
-        raise ValueError(f"round_costs needs {max_draft + 1} positive numbers (j = 0..{max_draft}), got {costs}")

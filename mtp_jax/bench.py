@@ -19,11 +19,24 @@ import shlex
 import sys
 import time
 
+import jax
 import numpy as np
+from flax import nnx
 
+from mtp_jax import checkpoint
+from mtp_jax.cache import cache_slots
 from mtp_jax.config import DecodeConfig
 from mtp_jax.decode import add_storage_arguments, positive_int
+from mtp_jax.default_model import default_gguf_path
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.models import causal_lm
+from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
+from mtp_jax.quant import quantize_model
+from mtp_jax.round_timing import RoundTimer, copy_bandwidth, plain_step_bytes, prefill_program
+from mtp_jax.shapes import SHAPES
+from mtp_jax.sharding import make_mesh, shard_model
+from mtp_jax.speculative import compile_generate
+from mtp_jax.stats import add, describe_device, summarize
 
 DEFAULT_PROMPTS = (
     "Write a Python function that checks whether a string is a palindrome.",
@@ -54,8 +67,6 @@ def int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mtp_jax.shapes import SHAPES
-
     parser = _Parser(prog="python -m mtp_jax.bench", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="Hugging Face folder, converted folder or .gguf (default: SmolLM2-135M)")
@@ -87,23 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_target(args, notes: list[str]):
     """(model, tokenizer or None, label, peer source path or None)."""
-    from mtp_jax import checkpoint
-    from mtp_jax.models import causal_lm
-    from mtp_jax.quant import quantize_model
-    from mtp_jax.sharding import make_mesh, shard_model
-
     try:
         mesh = make_mesh(args.mesh) if args.mesh else None
     except ValueError as e:
         raise UserError(f"--mesh: {e}") from None
     if args.random_shape:
-        from flax import nnx
-
-        import mtp_jax
-        from mtp_jax.shapes import SHAPES
-
         dtype = args.dtype or checkpoint.default_dtype()
-        model = mtp_jax.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
+        model = causal_lm.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
         model = quantize_model(model if mesh is None else shard_model(model, mesh), args.weights)
         return (
             causal_lm.apply_layer_layout(model, args.layer_layout),
@@ -111,8 +112,6 @@ def load_target(args, notes: list[str]):
             f"random weights, shape {args.random_shape}",
             None,
         )
-    from mtp_jax.default_model import default_gguf_path
-
     path = args.model or default_gguf_path()
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
     model = causal_lm.apply_layer_layout(model, args.layer_layout)
@@ -126,8 +125,6 @@ def load_target(args, notes: list[str]):
 
 def read_prompts(args, model, tokenizer):
     """Encoded prompts; random weights without a prompts file get fixed random token ids (16..58 tokens)."""
-    from mtp_jax.prompts import encode_prompts, read_prompt_file
-
     cfg = model.config
     if args.prompts_file:
         items = read_prompt_file(args.prompts_file)
@@ -145,12 +142,6 @@ class OursRun:
     the given walls and the generated tokens."""
 
     def __init__(self, model, ids, lens, cfg):
-        import jax
-        from flax import nnx
-
-        from mtp_jax.round_timing import prefill_program
-        from mtp_jax.speculative import compile_generate
-
         self.model, self.ids, self.lens, self.cfg, self.key = model, ids, lens, cfg, jax.random.key(0)
         start = time.perf_counter()
         self.compiled = compile_generate(model, ids, lens, self.key, cfg)
@@ -160,8 +151,6 @@ class OursRun:
         self.out = None
 
     def __call__(self) -> float:
-        import jax
-
         start = time.perf_counter()
         jax.block_until_ready(self.prefill())
         self.prefill_walls.append(time.perf_counter() - start)
@@ -170,8 +159,6 @@ class OursRun:
         return time.perf_counter() - start
 
     def result(self, walls: list[float]) -> tuple[dict, np.ndarray]:
-        from mtp_jax.stats import add, summarize
-
         out, wall, memory = self.out, min(walls), self.compiled.memory_bytes()
         tokens = int(np.sum(out.lengths))
         summary = summarize(add(None, out.stats), num_draft=self.cfg.num_draft, wall=wall, generated_tokens=tokens,
@@ -204,7 +191,7 @@ def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
 
 def load_peer(path: str, dtype_name: str):
     """transformers' model of the same weights (a .gguf is dequantized by transformers itself)."""
-    import torch
+    import torch  # heavy optional dependencies, needed only for the peer
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -220,7 +207,7 @@ class PeerRun:
     dynamic; warmed up once untimed. Called like `OursRun`."""
 
     def __init__(self, model, prompts, max_new_tokens: int, temperature: float):
-        import torch
+        import torch  # heavy optional dependency, needed only for the peer
 
         self.model, self.max_new_tokens = model, max_new_tokens
         self.width = width = max(len(p.token_ids) for p in prompts)
@@ -245,7 +232,7 @@ class PeerRun:
         self.prefill_walls = []  # the warm-up's is not a measurement
 
     def __call__(self) -> float:
-        import torch
+        import torch  # heavy optional dependency, needed only for the peer
 
         with torch.no_grad():
             start = time.perf_counter()
@@ -265,8 +252,6 @@ class PeerRun:
 
 
 def run(args) -> dict:
-    from mtp_jax.prompts import bucket, pad_batch
-
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if args.model is not None and not os.path.exists(args.model):
@@ -326,9 +311,6 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
     """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then the peer,
     timed in interleaved sweeps; with --split, each fixed k with its round's parts and the plain rows with their
     roofline fraction."""
-    from mtp_jax.round_timing import RoundTimer, plain_step_bytes
-    from mtp_jax.speculative import cache_slots
-
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False,
                     invariant=args.invariant)  # fmt: skip
     timer = RoundTimer(model, ids, lens, args.max_new_tokens, args.invariant) if args.split else None
@@ -367,10 +349,6 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
 
 def measured_bandwidth() -> float:
     """Copy bandwidth of the first device, bytes/s (256 MiB on a CPU, 1 GiB on an accelerator)."""
-    import jax
-
-    from mtp_jax.round_timing import copy_bandwidth
-
     return copy_bandwidth(2**28 if jax.devices()[0].platform == "cpu" else 2**30)
 
 
@@ -380,8 +358,6 @@ def ratio(part: float | None, whole: float | None, steps: int = 1) -> float | No
 
 
 def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
-    from mtp_jax.stats import describe_device
-
     def version(package: str) -> str:
         try:
             return importlib.metadata.version(package)

@@ -21,9 +21,9 @@ from flax import struct
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import PartitionSpec
 
-from mtp_jax.config import LayerKind, ModelConfig
+from mtp_jax.config import DecodeConfig, LayerKind, ModelConfig
 from mtp_jax.models import loops
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, checked_attention
 from mtp_jax.models.gated_deltanet import DeltaNetState
 from mtp_jax.sharding import (
     CACHE,
@@ -116,12 +116,17 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
-    invariant: bool = struct.field(pytree_node=False, default=False)  # attended in the batch-invariant form
+    attention: str = struct.field(pytree_node=False, default="one_pass")  # how it is attended: ATTENTION_FORMS
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, invariant=False) -> KVCache:
+    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None) -> KVCache:
+        """`attention`: its form (models/cache_attention.py: `checked_attention`)."""
         shape = (num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), invariant=invariant)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), attention=checked_attention(attention, slots))
+
+    @property
+    def invariant(self) -> bool:
+        return self.attention == "invariant"
 
     def constrained(self) -> KVCache:
         """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data, kv_heads -> model,
@@ -146,11 +151,17 @@ class LatentCache:
     """
 
     latent: jax.Array
-    invariant: bool = struct.field(pytree_node=False, default=False)  # attended in the batch-invariant form
+    attention: str = struct.field(pytree_node=False, default="one_pass")  # how it is attended: ATTENTION_FORMS
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, invariant=False) -> LatentCache:
-        return cls(latent=jnp.zeros((num_layers, batch, slots, cfg.mla.latent_dim), dtype), invariant=invariant)
+    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None) -> LatentCache:
+        """`attention`: its form (models/cache_attention.py: `checked_attention`)."""
+        latent = jnp.zeros((num_layers, batch, slots, cfg.mla.latent_dim), dtype)
+        return cls(latent=latent, attention=checked_attention(attention, slots))
+
+    @property
+    def invariant(self) -> bool:
+        return self.attention == "invariant"
 
     def constrained(self) -> LatentCache:
         """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data and, when long, its
@@ -168,18 +179,18 @@ class LatentCache:
 
 def long_cache_shards(cfg: ModelConfig, rules: ShardingRules | None) -> int:
     """M: how many shards `rules` split a long attention cache of this model into over its slots (1 off a mesh, or
-    where its kv heads take `model`); mtp_jax.speculative.cache_slots gives such a cache whole chunks per shard."""
+    where its kv heads take `model`); mtp_jax.cache.cache_slots gives such a cache whole chunks per shard."""
     if rules is None:
         return 1
     layout, heads = (LATENT_CACHE, (cfg.mla.latent_dim,)) if cfg.mla else (CACHE, (cfg.num_kv_heads, cfg.head_dim))
     return math.prod(rules.mesh.shape[axis] for axis in rules.slot_axes(layout, (1, 1, 1, *heads)))  # [L, B, S, ...]
 
 
-def attention_cache(kind: LayerKind, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, invariant=False):
-    """An empty cache for `num_layers` layers of this kind: KVCache for GQA, LatentCache for MLA; `invariant`:
-    attended in the batch-invariant form (models/cache_attention.py: `attend_written_cache`)."""
+def attention_cache(kind: LayerKind, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None):
+    """An empty cache for `num_layers` layers of this kind: KVCache for GQA, LatentCache for MLA, attended in form
+    `attention` (models/cache_attention.py; None: `default_attention(slots)`)."""
     cache_class = LatentCache if kind.attention == "mla" else KVCache
-    return cache_class.zeros(num_layers, batch, slots, cfg, dtype, invariant).constrained()
+    return cache_class.zeros(num_layers, batch, slots, cfg, dtype, attention).constrained()
 
 
 def deltanet_states(num_layers: int, batch: int, cfg: ModelConfig, dtype) -> DeltaNetState:
@@ -196,11 +207,12 @@ class GroupCache:
     after every block position (conv [R, B, T, W-1, C], recurrent [R, B, T, N, H, Y]) until `keep_verified`."""
 
     members: tuple
+    attention: str = struct.field(pytree_node=False, default="one_pass")  # its attention members' form
 
     @property
     def invariant(self) -> bool:
         """Whether its attention caches are attended in the batch-invariant form (and its layers run so)."""
-        return any(getattr(entry, "invariant", False) for entry in self.members)
+        return self.attention == "invariant"
 
     def constrained(self) -> GroupCache:
         """Pinned to its layout under active sharding rules: rows over data, kv heads and value heads over model."""
@@ -211,7 +223,7 @@ class GroupCache:
                 return DeltaNetState(conv=conv, recurrent=recurrent)
             return entry.constrained()
 
-        return GroupCache(members=tuple(pin(entry) for entry in self.members))
+        return self.replace(members=tuple(pin(entry) for entry in self.members))
 
     def keep_verified(self, before: GroupCache, accepted: jax.Array, active: jax.Array) -> GroupCache:
         """After a verify pass: each DeltaNet keeps, per row, the state after block position accepted[b] ([B] int),
@@ -222,4 +234,24 @@ class GroupCache:
                 return entry
             return jax.vmap(lambda states, prior: states.at(accepted).keep_where(~active, prior))(entry, old)
 
-        return GroupCache(members=tuple(keep(e, o) for e, o in zip(self.members, before.members, strict=True)))
+        return self.replace(members=tuple(keep(e, o) for e, o in zip(self.members, before.members, strict=True)))
+
+
+def decode_attention(prompt_width: int, cfg: DecodeConfig) -> str:
+    """The form decoding attends its caches in (models/cache_attention.py): "invariant" for batch-invariant decoding
+    (`cfg.invariant`); "chunked" when prompt and budget pass one attention chunk, so that attention reads only the
+    chunks holding visible slots; "one_pass" otherwise. The choice ignores k, so plain and MTP decoding of the same
+    prompts and budget attend alike."""
+    if cfg.invariant:
+        return "invariant"
+    return "chunked" if prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK else "one_pass"
+
+
+def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
+    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16; for a chunked or
+    invariant form (`decode_attention`), to whole chunks on each of `shards` (M) shards of a cache split over its
+    slots (`long_cache_shards`). Chunks a row cannot see yet are skipped, so extra ones change nothing."""
+    needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
+    if decode_attention(prompt_width, cfg) == "one_pass":
+        return -(-needed // 16) * 16
+    return -(-needed // (shards * ATTENTION_CHUNK)) * shards * ATTENTION_CHUNK

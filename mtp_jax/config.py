@@ -1,13 +1,14 @@
 """Frozen, hashable configurations: the model's shape (`ModelConfig`) and the decode settings (`DecodeConfig`).
 
 Both are static arguments of jitted functions, so they are frozen dataclasses of plain Python values.
-`ModelConfig` is built from a Hugging Face `config.json` by `checkpoints_convert.hf_config.model_config_from_hf`.
+`ModelConfig` is built from a Hugging Face `config.json` by `mtp_jax.families.registry.model_config_from_hf`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Literal
 
 LAYER_LAYOUTS = ("auto", "stacked", "unstacked")  # how layer parameters are held: models.causal_lm.apply_layer_layout
@@ -389,6 +390,6 @@ class DecodeConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.round_costs is not None:
-            from mtp_jax.adaptive import validate_round_costs
-
-            validate_round_costs(tuple(self.round_costs), self.num_draft)
+            costs, k = tuple(self.round_costs), self.num_draft
+            if len(costs) != k + 1 or not all(math.isfinite(c) and c > 0 for c in costs):
+                raise ValueError(f"round_costs needs {k + 1} positive numbers (j = 0..{k}), got {costs}")

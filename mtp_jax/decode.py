@@ -14,9 +14,22 @@ import os
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from tqdm import tqdm
+
+from mtp_jax import checkpoint, speculative, stats
+from mtp_jax.cache import cache_slots
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS, DecodeConfig
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
+from mtp_jax.models import causal_lm
+from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_records
+from mtp_jax.sampling import SamplingParams
+from mtp_jax.sharding import make_mesh, to_host
 
 
 def positive_int(text: str) -> int:
@@ -97,7 +110,6 @@ def start_distributed(args) -> None:
         raise UserError("--coordinator, --num-processes and --process-id go together")
     if not args.distributed and manual[0] is None:
         return
-    import jax
 
     try:
         jax.distributed.initialize(*manual)
@@ -139,12 +151,6 @@ def check_output_path(path: str, option: str) -> None:
 def check_budget(model, prompts, cfg, batch_size: int) -> None:
     """Refuse, before compiling, a budget past the model's context, or caches and parameters that cannot fit in the
     memory of a device (of the machine, on CPU)."""
-    import jax
-    from flax import nnx
-
-    from mtp_jax.prompts import bucket
-    from mtp_jax.speculative import cache_slots
-
     longest, context = max(len(p.token_ids) for p in prompts), model.config.max_position_embeddings
     if longest + cfg.max_new_tokens > context:
         raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: the longest prompt ({longest} tokens) and the budget "
@@ -171,8 +177,6 @@ def check_budget(model, prompts, cfg, batch_size: int) -> None:
 def memory_capacity(model) -> tuple[int | None, str]:
     """The bytes one device of the model may hold, and what they are: the machine's RAM, shared by this process's CPU
     devices, or one accelerator's memory limit (None where the platform does not say)."""
-    import jax
-
     device = jax.local_devices()[0]
     if device.platform != "cpu":
         return (device.memory_stats() or {}).get("bytes_limit"), f"one {device.device_kind}"
@@ -289,9 +293,6 @@ ROW_FIELDS = ("index", "prompt", "text", "token_ids", "num_tokens", "finish_reas
 
 def open_output(args, prompts: list[str | list[int]], lead: bool) -> tuple[RowOutput | None, int]:
     """(process 0's RowOutput, else None; the rows already done, the same on every process)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     output = error = None
     if lead:
         try:
@@ -325,10 +326,6 @@ def run(args) -> int:
     records = read_records(args)
     start_distributed(args)
 
-    import jax
-
-    from mtp_jax.stats import summary_paragraph
-
     lead = jax.process_index() == 0  # every process decodes its shards; the first one writes
     output, done = open_output(args, [item for item, _ in records], lead)
     try:
@@ -346,23 +343,44 @@ def run(args) -> int:
         return 0
     if args.stats_json:
         write_atomically(args.stats_json, json.dumps(summary, indent=2) + "\n")
-    print(summary_paragraph(summary, len(records) - done), file=sys.stderr)
+    print(stats.summary_paragraph(summary, len(records) - done), file=sys.stderr)
     return 0
 
 
 def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) -> dict | None:
     """Decode the prompts from `done` on, batch by batch, each batch's rows to `output` (process 0) as it finishes;
     the statistics summary of the run (None when every row was already done)."""
-    import jax
-    import numpy as np
-    from tqdm import tqdm
+    model, tokenizer, prompts, decode_cfg, batch_size = load_for_decoding(args, records)
+    todo = prompts[done:]
+    if not todo:
+        return None
+    batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+    row_sampling = per_row_sampling(args, [overrides for _, overrides in records])
+    compiled, compile_seconds, wall, counters, generated_tokens = {}, 0.0, 0.0, None, 0
+    for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2 or not lead, file=sys.stderr):
+        width = bucket(max(len(p.token_ids) for p in batch))
+        ids, lens = pad_batch(batch, batch_size, width)
+        rows = np.asarray([p.index for p in batch] + [batch[0].index] * (batch_size - len(batch)))
+        keys, sampling = row_sampling(rows)
+        if width not in compiled:
+            start = time.perf_counter()
+            compiled[width] = speculative.compile_generate(model, ids, lens, keys, decode_cfg, sampling)
+            compile_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        out = jax.block_until_ready(compiled[width](model, ids, lens, keys, decode_cfg, sampling))
+        wall += time.perf_counter() - start
+        counters = stats.add(counters, out.stats)
+        finished = output_rows(batch, out, tokenizer)
+        generated_tokens += sum(row["num_tokens"] for row in finished)
+        if lead:
+            output.write(finished)
+    return stats.summarize(counters, num_draft=decode_cfg.num_draft, generated_tokens=generated_tokens, wall=wall,
+                           compile_seconds=compile_seconds)  # fmt: skip
 
-    from mtp_jax import checkpoint, stats
-    from mtp_jax.models import causal_lm
-    from mtp_jax.prompts import bucket, encode_prompts, pad_batch
-    from mtp_jax.sharding import make_mesh, to_host
-    from mtp_jax.speculative import compile_generate
 
+def load_for_decoding(args, records) -> tuple:
+    """(model, tokenizer, encoded prompts, DecodeConfig, batch size) as the options say; settings that cannot run
+    are refused here, before compiling."""
     try:
         mesh = make_mesh(args.mesh) if args.mesh else None
     except ValueError as e:
@@ -380,8 +398,18 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     )
     if args.adaptive and num_draft == 0:
         raise UserError("--adaptive needs drafts: a model with an MTP head and --num-draft > 0")
+    decode_cfg = decode_config(args, num_draft)
+    batch_size = min(args.batch_size, len(prompts))
+    if model.sharding_rules is not None:  # every data shard gets the same number of rows (padding repeats a row)
+        shards = model.sharding_rules.axis_size("batch")
+        batch_size = -(-batch_size // shards) * shards
+    check_budget(model, prompts, decode_cfg, batch_size)
+    return model, tokenizer, prompts, decode_cfg, batch_size
+
+
+def decode_config(args, num_draft: int) -> DecodeConfig:
     try:
-        decode_cfg = DecodeConfig(
+        return DecodeConfig(
             num_draft=num_draft,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -393,56 +421,29 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
         )
     except ValueError as e:
         raise UserError(str(e)) from None
-    batch_size = min(args.batch_size, len(prompts))
-    if model.sharding_rules is not None:  # every data shard gets the same number of rows (padding repeats a row)
-        shards = model.sharding_rules.axis_size("batch")
-        batch_size = -(-batch_size // shards) * shards
-    check_budget(model, prompts, decode_cfg, batch_size)
-    todo = prompts[done:]
-    if not todo:
-        return None
-    batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
-    row_sampling = per_row_sampling(args, [overrides for _, overrides in records])
-    compiled, compile_seconds, wall, counters, generated_tokens = {}, 0.0, 0.0, None, 0
-    for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2 or not lead, file=sys.stderr):
-        width = bucket(max(len(p.token_ids) for p in batch))
-        ids, lens = pad_batch(batch, batch_size, width)
-        rows = np.asarray([p.index for p in batch] + [batch[0].index] * (batch_size - len(batch)))
-        keys, sampling = row_sampling(rows)
-        if width not in compiled:
-            start = time.perf_counter()
-            compiled[width] = compile_generate(model, ids, lens, keys, decode_cfg, sampling)
-            compile_seconds += time.perf_counter() - start
-        start = time.perf_counter()
-        out = jax.block_until_ready(compiled[width](model, ids, lens, keys, decode_cfg, sampling))
-        wall += time.perf_counter() - start
-        counters = stats.add(counters, out.stats)
-        tokens, lengths, by_eos = (to_host(x) for x in (out.tokens, out.lengths, out.finished_by_eos))
-        finished = []
-        for row, prompt in enumerate(batch):
-            generated = tokens[row, : lengths[row]].tolist()
-            generated_tokens += len(generated)
-            finished.append(
-                {
-                    "index": prompt.index,
-                    "prompt": prompt.text if prompt.text is not None else list(prompt.token_ids),
-                    "text": tokenizer.decode(generated, skip_special_tokens=True) if tokenizer else "",
-                    "token_ids": generated,
-                    "num_tokens": len(generated),
-                    "finish_reason": "eos" if by_eos[row] else "length",
-                }
-            )
-        if lead:
-            output.write(finished)
-    return stats.summarize(
-        counters, num_draft=num_draft, generated_tokens=generated_tokens, wall=wall, compile_seconds=compile_seconds
-    )
+
+
+def output_rows(batch, out, tokenizer) -> list[dict]:
+    """The output rows of a batch's prompts from `generate`'s output (padding rows past them dropped)."""
+    tokens, lengths, by_eos = (to_host(x) for x in (out.tokens, out.lengths, out.finished_by_eos))
+    finished = []
+    for row, prompt in enumerate(batch):
+        generated = tokens[row, : lengths[row]].tolist()
+        finished.append(
+            {
+                "index": prompt.index,
+                "prompt": prompt.text if prompt.text is not None else list(prompt.token_ids),
+                "text": tokenizer.decode(generated, skip_special_tokens=True) if tokenizer else "",
+                "token_ids": generated,
+                "num_tokens": len(generated),
+                "finish_reason": "eos" if by_eos[row] else "length",
+            }
+        )
+    return finished
 
 
 def read_records(args) -> list[tuple[str | list[int], dict]]:
     """(prompt, per-row sampling overrides) for each prompt."""
-    from mtp_jax.prompts import read_prompt_records
-
     if args.prompts_file:
         return read_prompt_records(args.prompts_file)
     return [(prompt, {}) for prompt in args.prompt]
@@ -454,12 +455,6 @@ def per_row_sampling(args, overrides: list[dict]):
     A row's key is `key(seed)` when its line sets a seed, else `fold_in(key(--seed), prompt index)`: every row has
     its own stream, whatever rows share its batch.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from mtp_jax.sampling import SamplingParams
-
     defaults = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     table = {name: np.array([o.get(name, value) for o in overrides]) for name, value in defaults.items()}
     base_key = jax.random.key(args.seed)

@@ -17,7 +17,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from mtp_jax import checkpoint
 from mtp_jax.config import DecodeConfig
+from mtp_jax.data.prompt_builder import build_prompts
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
 from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
@@ -80,8 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from mtp_jax import checkpoint
-    from mtp_jax.data.prompt_builder import build_prompts
 
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")

@@ -1,20 +1,26 @@
-"""The exception type for problems the user can fix, and the entry points' one-line reporting of them."""
+"""The project's error types (one base, `MtpError`) and the entry points' one-line reporting of them."""
+
+import sys
 
 
-class UserError(Exception):
-    """A bad input or environment problem whose message is the one line shown to the user."""
+class MtpError(Exception):
+    """A problem the user can fix; its message is the one line shown to the user."""
+
+
+class UserError(MtpError):
+    """A bad input or environment problem: a flag, a prompt file, an output path, a device budget."""
+
+
+class ConversionError(MtpError):
+    """A checkpoint that cannot be mapped: unknown family, missing/unexpected tensor, bad shape, corrupt file."""
 
 
 def run_cli(run, args) -> int:
     """Call `run(args)`; a bad input or checkpoint, or a file that cannot be read or written, becomes one line on
     stderr and exit status 1; Ctrl-C one line (what was kept, when `run` says) and status 130."""
-    import sys
-
-    from checkpoints_convert.errors import ConversionError
-
     try:
         return run(args)
-    except (UserError, ConversionError) as e:
+    except MtpError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -13,12 +13,19 @@ import os
 import secrets
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 from mtp_jax.config import ModelConfig, MtpConfig
-from mtp_jax.errors import UserError
-from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.conversion.export import hf_tensors
+from mtp_jax.conversion.placement import read_params
+from mtp_jax.errors import ConversionError, UserError
+from mtp_jax.models.causal_lm import CausalLM, model_param_axes
+from mtp_jax.params.safetensors_reader import SafetensorsFile
+from mtp_jax.params.tree import abstract_params, assemble, nest
+from mtp_jax.sharding import place_host_array
 
 HEAD_FILE = "head.safetensors"
 HEAD_CONFIG = "head.json"
@@ -56,11 +63,6 @@ def save_head(model: CausalLM, folder: str) -> None:
     are written beside their places first, then `head.json` (what marks a head folder) goes, `head.safetensors` and
     `head.json` are renamed into place, in that order. Files a killed save left beside them are removed.
     """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    from checkpoints_convert.export import hf_tensors
-
     weights = hf_tensors(model, only_mtp=True)
     bad = [name for name, value in weights.items() if not np.all(np.isfinite(value))]
     if bad:
@@ -91,12 +93,6 @@ def save_head(model: CausalLM, folder: str) -> None:
 
 def attach_head(model: CausalLM, folder: str) -> CausalLM:
     """A new model: `model`'s trunk with the head saved in `folder` (replacing any head it had)."""
-    from checkpoints_convert.convert import abstract_params, nest
-    from checkpoints_convert.errors import ConversionError
-    from checkpoints_convert.source import SafetensorsFile
-    from mtp_jax.checkpoint import assemble, read_params
-    from mtp_jax.sharding import place_host_array
-
     try:
         with open(os.path.join(folder, HEAD_CONFIG), encoding="utf-8") as f:
             meta = json.load(f)
@@ -123,7 +119,8 @@ def attach_head(model: CausalLM, folder: str) -> CausalLM:
         elif path == ("draft_vocab",):
             ids = np.asarray(head.read(DRAFT_VOCAB_KEY))  # [Vd]
             on_mesh = rules is not None
-            flat[path] = place_host_array(ids, rules.param_sharding(path, ids.shape)) if on_mesh else jnp.asarray(ids)
+            layout = model_param_axes(cfg, dtype)[path]
+            flat[path] = place_host_array(ids, rules.sharding(layout, ids.shape)) if on_mesh else jnp.asarray(ids)
         else:
             flat[path] = trunk[path]
     return assemble(cfg, nest(flat), dtype, rules)

@@ -26,10 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax import checkpoint
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.models import loops
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
 from mtp_jax.models.causal_lm import CausalLM, LayerStack
+from mtp_jax.prompts import encode_prompts, read_prompt_file
 
 EVAL_PROMPTS = pathlib.Path(__file__).parent / "data" / "eval_prompts.jsonl"
 LAYER_STAGES = ("input_norm", "attention", "residual", "mlp_norm", "mlp", "output")
@@ -48,16 +50,16 @@ def _layers(model: CausalLM) -> list:
     return layers
 
 
-def _empty_pasts(model: CausalLM, batch: int, slots: int, invariant: bool) -> list[list[jax.Array]]:
+def _empty_pasts(model: CausalLM, batch: int, slots: int, attention: str) -> list[list[jax.Array]]:
     """Every trunk layer's empty cache arrays, each [B, S, ...]."""
     pasts = []
     for segment in model.segments:
-        leaves = jax.tree.leaves(segment.new_cache(batch, slots, model.dtype, invariant))  # each [L, B, S, ...]
+        leaves = jax.tree.leaves(segment.new_cache(batch, slots, model.dtype, attention))  # each [L, B, S, ...]
         pasts += [[leaf[i] for leaf in leaves] for i in range(segment.num_layers)]
     return pasts
 
 
-def trace(model: CausalLM, ids, positions, pasts, invariant: bool):
+def trace(model: CausalLM, ids, positions, pasts, attention: str):
     """Stages of a pass of tokens ids [B, T] at positions [B, T] over per-layer caches `pasts` (each a list of
     [B, S, ...] arrays): ({stage name: [B, T, ...]}, the caches with this pass's entries written)."""
     stages, x = {}, model.embed_tokens(ids)
@@ -65,10 +67,10 @@ def trace(model: CausalLM, ids, positions, pasts, invariant: bool):
     written = []
     for i, (layer, past) in enumerate(zip(_layers(model), pasts, strict=True)):
         normed = layer.input_norm(x)
-        attended, *new = layer.attn(normed, positions, rope, *past, invariant=invariant)
+        attended, *new = layer.attn(normed, positions, rope, *past, attention=attention)
         residual = x + attended
         mlp_normed = layer.post_attention_norm(residual)
-        mlp_out = layer.mlp(mlp_normed, invariant=invariant)
+        mlp_out = layer.mlp(mlp_normed, invariant=attention == "invariant")
         x = residual + mlp_out
         for name, value in zip(LAYER_STAGES, (normed, attended, residual, mlp_normed, mlp_out, x), strict=True):
             stages[f"layer {i} {name}"] = value
@@ -88,10 +90,11 @@ def _write(cache, entries, positions):
 def _prefill_and_step(model, ids, lens, next_ids, invariant: bool, slots: int):
     """Stages of the prefill of right-padded ids [B, P] and of one step of next_ids [B] at positions lens [B]."""
     batch, width = ids.shape
-    pasts = _empty_pasts(model, batch, slots, invariant)
+    attention = "invariant" if invariant else default_attention(slots)
+    pasts = _empty_pasts(model, batch, slots, attention)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    prefill, pasts = trace(model, ids, positions, pasts, invariant)
-    step, _ = trace(model, next_ids[:, None], lens[:, None], pasts, invariant)
+    prefill, pasts = trace(model, ids, positions, pasts, attention)
+    step, _ = trace(model, next_ids[:, None], lens[:, None], pasts, attention)
     return prefill, step
 
 
@@ -139,8 +142,6 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from mtp_jax import checkpoint
-    from mtp_jax.prompts import encode_prompts, read_prompt_file
 
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
     items = read_prompt_file(args.prompts_file)[: args.num_prompts]

@@ -16,15 +16,19 @@ import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax import planning, shapes, sharding, topology
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
 from mtp_jax.decode import check_output_path, positive_int
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.families.registry import family_of
 from mtp_jax.files import write_atomically
+from mtp_jax.models.causal_lm import preferred_layout
+from mtp_jax.planning import PARAM_SIZED
 
-# Per-position acceptance of the family's own MTP layer where its authors published one.
-PUBLISHED_ACCEPTANCE = {
-    "deepseek_v3": (0.85, "DeepSeek-V3 technical report: 85-90% acceptance of the second token"),
-}
 ASSUMED_ACCEPTANCE = (0.8, "assumed: no published per-position figure for this family")
 
 
@@ -68,8 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_config(args):
-    from mtp_jax import shapes
-
     if args.random_shape:
         return shapes.shape(args.random_shape), args.random_shape
     return shapes.config_from_path(args.model), os.path.basename(os.path.normpath(args.model))
@@ -78,8 +80,6 @@ def model_config(args):
 def candidate_meshes(spec: str, target, cfg, batch: int) -> list[str]:
     """The mesh specs to plan: the one given, or (auto) every data x expert x model split of the devices with the
     batch divisible over data and an expert axis only for models with experts, that the torus can lay out."""
-    from mtp_jax import sharding
-
     count = len(target.devices)
     if spec != "auto":
         try:
@@ -102,8 +102,6 @@ def divisors(n: int) -> list[int]:
 
 
 def _lays_out(spec: str, target) -> bool:
-    from mtp_jax import sharding
-
     try:
         sharding.make_mesh(spec, target.devices)
     except ValueError:
@@ -125,11 +123,6 @@ def legal_sizes(target) -> list[str]:
 
 def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | None) -> dict:
     """One mesh's plan (see the module doc)."""
-    import jax.numpy as jnp
-
-    from mtp_jax import planning, sharding
-    from mtp_jax.models.causal_lm import preferred_layout
-
     rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
     dtype = jnp.dtype(args.dtype)
     platform = next(iter(rules.mesh.devices.flat)).platform
@@ -194,8 +187,6 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
 def collective_row(c, params_bytes: int) -> dict:
     """A collective as the plan lists it; `param_sized` when one execution moves more than PARAM_SIZED of the
     device's parameter bytes (a round should move activations, never weights)."""
-    from mtp_jax.planning import PARAM_SIZED
-
     moved = max(c.operand_bytes, c.result_bytes)
     return {"kind": c.kind, "shape": c.shape, "operand_bytes": c.operand_bytes, "result_bytes": c.result_bytes,
             "count": c.count, "param_sized": moved > PARAM_SIZED * params_bytes}  # fmt: skip
@@ -208,16 +199,13 @@ def write_hlo(folder: str, name: str, hlo: str) -> None:
 
 
 def jax_leaves(model):
-    import jax
-    from flax import nnx
-
     return jax.tree.leaves(nnx.split(model)[1])
 
 
 def acceptance_for(args, cfg) -> tuple[list[float], str]:
     if args.acceptance:
         return args.acceptance, "given (--acceptance)"
-    rate, source = PUBLISHED_ACCEPTANCE.get(cfg.family, ASSUMED_ACCEPTANCE)
+    rate, source = family_of(cfg.family).published_acceptance or ASSUMED_ACCEPTANCE
     return [rate], source
 
 
@@ -252,8 +240,6 @@ def markdown(plans: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from mtp_jax import planning, topology
-
     if args.capacity_gib is not None and args.capacity_gib <= 0:
         raise UserError("--capacity-gib must be positive")
     for path, option in ((args.json, "--json"), (args.markdown, "--markdown")):
@@ -290,10 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     # Before JAX starts a backend: plans compile only, so JAX itself stays on the host (no TPU runtime is claimed);
     # cpu:N asks for N host devices; libtpu's compiler may be loaded by several processes at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    import jax
-
-    from mtp_jax import topology
-
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_disable_most_optimizations", False)  # plan the program as it runs (tests turn them off)

@@ -68,14 +68,11 @@ def abstract_model(
     (`causal_lm.apply_layer_layout`)."""
     platform = next(iter(rules.mesh.devices.flat)).platform
     build = lambda: apply_layer_layout(quantize_model(CausalLM(cfg, dtype=dtype), weights), layout, platform)
-    graphdef, state = nnx.split(nnx.eval_shape(build))
 
-    def spec(path, leaf):
-        shard = rules.param_sharding(sharding.path_names(path), leaf.shape)
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=shard)
+    def spec(leaf, axes):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rules.sharding(axes, leaf.shape))
 
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(spec, nnx.to_pure_dict(state)))
-    model = nnx.merge(graphdef, state)
+    model = sharding.map_params(nnx.eval_shape(build), spec)
     model.sharding_rules = rules
     return model
 

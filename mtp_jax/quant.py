@@ -9,8 +9,8 @@ gives `values * scales` (blocks expanded) in the model's dtype, computed inside 
 bfloat16 copy). Compiled for TPU, per-channel scales fuse into the matmul's operand when layers are unstacked (inside
 a layer scan the dequantized slice is materialized); block scales are expanded by a gather that XLA materializes, so
 fp8 saves memory, not yet bytes per step (docs/benchmarks.md, "Quantized weights on TPU"). Stacked layers stack both
-arrays; shardings follow the weight's logical axes (`sharding.param_axes`); a scale axis that its mesh axes do not
-divide is replicated.
+arrays; shardings follow the weight's logical axes (declared where it is created: `sharding.param_axes`); a scale
+axis that its mesh axes do not divide is replicated.
 
 - int8: symmetric, one scale per output channel (max |w| over the contracting axes / 127).
 - fp8: blocks of 128 x 128 as the checkpoints use them: 128 consecutive inputs (the contracting axes flattened) by
@@ -147,14 +147,15 @@ def quantize_fp8(weight: jax.Array, contracting: Sequence[int], batched: Sequenc
     return quantize_blocks(weight, blocks, FP8_MAX, jnp.float8_e4m3fn)
 
 
-def matmul_axes(path: Sequence[str], ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def matmul_axes(path: Sequence[str], axes: Sequence[str | None]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(contracting axes, batched axes) of the whole array (leading stacked-layer axes counted as batched) of the
-    weight at `path` with `ndim` dimensions, or None when it stays unquantized."""
+    weight at `path` with logical `axes` (`sharding.param_axes`: its declared ones after a `layers` axis per stacked
+    axis), or None when it stays unquantized."""
     path = tuple(str(p) for p in path)
     own = CONTRACTING.get(path[-1])
     if own is None or (path[0] != "segments" and path[:2] != ("mtp", "block") and path != ("mtp", "proj")):
         return None
-    lead = ndim - len([a for a in param_axes(path, ndim) if a != "layers"])
+    lead = list(axes).count("layers")
     batched = tuple(range(lead)) + tuple(lead + axis for axis in BATCHED.get(path[-1], ()))
     return tuple(lead + axis for axis in own), batched
 
@@ -177,15 +178,14 @@ def quantize_model(model, weights: str):
         if not isinstance(param, nnx.Param) or isinstance(param.get_value(), QuantizedArray):
             continue
         names = [str(p) for p in path]
-        axes = matmul_axes(names, param.get_value().ndim)
+        layout = param_axes(param, "/".join(names))
+        axes = matmul_axes(names, layout)
         if axes is None:
             continue
         quantized = quantize_weight(param.get_value(), weights, *axes)
-        if rules is not None:
-            place = lambda leaf, kind, names=names: jax.device_put(
-                leaf, rules.param_sharding([*names, kind], leaf.shape)
-            )
-            quantized = jax.tree.map(place, quantized, QuantizedArray("values", "scales", quantized.dtype))
+        if rules is not None:  # values and scales laid out as the weight
+            place = lambda leaf, layout=layout: jax.device_put(leaf, rules.sharding(layout, leaf.shape))
+            quantized = jax.tree.map(place, quantized)
         param.set_value(quantized)
     return model
 

@@ -19,16 +19,21 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.adaptive import probe_cycle, step_param_bytes
+from mtp_jax.cache import cache_slots
 from mtp_jax.config import DecodeConfig
-from mtp_jax.speculative import _prefill, _Round, cache_slots, mtp_block_width
+from mtp_jax.loop_state import mtp_block_width
+from mtp_jax.prefill import prefill
+from mtp_jax.rounds import Round, RoundKind, draft, round_context, run_round, verify
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "slots"))
-def _prefilled_state(graphdef, params, prompt_ids, prompt_lens, cfg: DecodeConfig, slots: int):
+def prefilled_state(graphdef, params, prompt_ids, prompt_lens, cfg: DecodeConfig, slots: int):
+    """The decode loop's state after a greedy prefill of the prompts (ids [B, W], lens [B]), EOS stopping no row,
+    with caches of `slots`."""
     model = nnx.merge(graphdef, params)
     row_keys = jax.random.split(jax.random.key(0), prompt_ids.shape[0])
     eos = jnp.zeros((0,), jnp.int32)
-    return _prefill(model, cfg, None, eos, prompt_ids, prompt_lens, row_keys, slots)
+    return prefill(model, cfg, None, eos, prompt_ids, prompt_lens, row_keys, slots)
 
 
 def prefill_program(split_model, prompt_ids, prompt_lens, cfg: DecodeConfig):
@@ -36,35 +41,48 @@ def prefill_program(split_model, prompt_ids, prompt_lens, cfg: DecodeConfig):
     up; greedy (sampling the first token instead costs the same to within one row of draws)."""
     graphdef, params = split_model
     ids, lens = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32)
-    run = functools.partial(_prefilled_state, graphdef, params, ids, lens, cfg, cache_slots(ids.shape[1], cfg))
+    run = functools.partial(prefilled_state, graphdef, params, ids, lens, cfg, cache_slots(ids.shape[1], cfg))
     jax.block_until_ready(run())
     return run
 
 
+def timed_round(cfg: DecodeConfig, num_draft: int) -> Round:
+    """The round that drafts `num_draft` in a loop drafting at most cfg.num_draft: with none, a probe when the loop
+    has an MTP layer, else a plain step."""
+    if num_draft:
+        return Round(RoundKind.DRAFT, num_draft)
+    return Round(RoundKind.PROBE) if cfg.num_draft else Round(RoundKind.PLAIN)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "part", "num_draft", "iterations"))
-def _repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
+def repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
+    """`part` of a round with `num_draft` drafts ("round", "verify", "draft", or an adaptive loop's resting "cycle")
+    run `iterations` times from `state`, carrying what it updates (the state, or the trunk or MTP cache)."""
     model = nnx.merge(graphdef, params)
     eos = jnp.zeros((0,), jnp.int32)
-    step = _Round(model, cfg, None, eos, num_draft)
+    timed = timed_round(cfg, num_draft)
+    ctx = round_context(model, cfg, None, eos, [timed])
+    step = functools.partial(run_round, ctx, timed)
     if part == "round":
         return jax.lax.fori_loop(0, iterations, lambda _, s: step(s), state)
     if part == "cycle":  # an adaptive loop at rest: rests until its MTP block is full, then a probe (step, j = 0)
-        rest = _Round(model, cfg, None, eos, 0, rest=True)
-        cycle = lambda _, s: step(jax.lax.fori_loop(0, mtp_block_width(cfg) - 1, lambda _, t: rest(t), s))
+        rest_step = functools.partial(run_round, ctx, Round(RoundKind.REST))
+        cycle = lambda _, s: step(jax.lax.fori_loop(0, mtp_block_width(cfg) - 1, lambda _, t: rest_step(t), s))
         return jax.lax.fori_loop(0, iterations, cycle, state)
     if part == "verify":
         drafts = jnp.zeros((state.pending.shape[0], num_draft), jnp.int32)  # [B, j]: the values do not matter
         active = jnp.ones(state.pending.shape, bool)
 
-        def verify(_, carry):  # the trunk pass, lm_head and acceptance; recurrent states kept (hybrid trunks)
+        def verify_step(_, carry):  # the trunk pass, lm_head and acceptance; recurrent states kept (hybrid trunks)
             cache, tokens = carry
-            accepted, token, _, verified, _ = step.verify(state, drafts, None, cache)
+            verdict = verify(ctx, state, drafts, None, cache)
             # the emitted tokens are carried: without a use, XLA drops the logits of a dense trunk as dead code
-            return model.keep_verified(cache, verified, accepted, active), tokens + token + accepted
+            kept = model.keep_verified(cache, verdict.cache, verdict.accepted, active)
+            return kept, tokens + verdict.token + verdict.accepted
 
-        return jax.lax.fori_loop(0, iterations, verify, (state.cache, jnp.zeros_like(state.pending)))
-    draft = lambda _, mtp_cache: step.draft(state.replace(mtp_cache=mtp_cache))[2]
-    return jax.lax.fori_loop(0, iterations, draft, state.mtp_cache)
+        return jax.lax.fori_loop(0, iterations, verify_step, (state.cache, jnp.zeros_like(state.pending)))
+    draft_step = lambda _, mtp_cache: draft(ctx, timed, state.replace(mtp_cache=mtp_cache)).mtp_cache
+    return jax.lax.fori_loop(0, iterations, draft_step, state.mtp_cache)
 
 
 class RoundTimer:
@@ -81,7 +99,7 @@ class RoundTimer:
     def _state(self, cfg: DecodeConfig):
         if cfg not in self._states:
             slots = cache_slots(self.ids.shape[1], cfg)
-            self._states[cfg] = _prefilled_state(self.graphdef, self.params, self.ids, self.lens, cfg, slots)
+            self._states[cfg] = prefilled_state(self.graphdef, self.params, self.ids, self.lens, cfg, slots)
         return self._states[cfg]
 
     def _part(self, part: str, max_draft: int, num_draft: int, adaptive: bool = False) -> tuple:
@@ -92,7 +110,7 @@ class RoundTimer:
                            adaptive=adaptive, invariant=self.invariant)  # fmt: skip
         iterations = max(1, self.iterations // mtp_block_width(cfg)) if part == "cycle" else self.iterations
         state = self._state(cfg)
-        run = functools.partial(_repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, iterations)
+        run = functools.partial(repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, iterations)
         jax.block_until_ready(run())
         return run, iterations * (mtp_block_width(cfg) if part == "cycle" else 1)
 

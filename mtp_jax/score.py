@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax import checkpoint
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "depth"))
@@ -134,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    from mtp_jax import checkpoint
-    from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 
     if args.num_draft < 1:
         raise UserError(f"--num-draft must be >= 1, got {args.num_draft}")

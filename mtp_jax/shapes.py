@@ -14,12 +14,12 @@ import os
 import pathlib
 from collections.abc import Callable
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.hf_config import model_config_from_hf
-from checkpoints_convert.source import read_json_object
-from mtp_jax.checkpoint import CONFIG_FILE, read_converted_config
-from mtp_jax.config import GatedDeltaNetConfig, MlaConfig, ModelConfig, MoeConfig, MtpConfig, RopeConfig
-from mtp_jax.errors import UserError
+from mtp_jax.config import ModelConfig, MtpConfig, RopeConfig
+from mtp_jax.errors import ConversionError, UserError
+from mtp_jax.families.registry import model_config_from_hf, tiny_configs
+from mtp_jax.params.converted import read_converted_config
+from mtp_jax.params.source import read_json_object
+from mtp_jax.params.tree import CONFIG_FILE
 
 FULL_CONFIGS = pathlib.Path(__file__).resolve().parent / "data" / "released_configs"  # {name}.json, as released
 FULL_SHAPES = (
@@ -43,7 +43,7 @@ def _read_json(path: str) -> dict:
 
 def _hf_config(path: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face config.json; EOS ids from a generation_config.json beside it when the config
-    has none, as conversion reads them (checkpoints_convert/source.py)."""
+    has none, as conversion reads them (mtp_jax/params/source.py)."""
     hf = _read_json(path)
     generation = os.path.join(os.path.dirname(path), "generation_config.json")
     if "eos_token_id" not in hf and os.path.isfile(generation):
@@ -82,22 +82,14 @@ def full_shape(name: str) -> ModelConfig:
     return config_from_path(str(FULL_CONFIGS / f"{name}.json"))
 
 
+def tiny_family_shape(name: str) -> ModelConfig:
+    """A family's test size (`Family.tiny_configs`) through its config mapping."""
+    return model_config_from_hf(tiny_configs()[name])
+
+
 def tiny() -> ModelConfig:
-    """Test size (configs/tiny/llama-with-mtp-head.json): 2 layers, hidden 64, vocab 256, a DeepSeek-layout head."""
-    return ModelConfig(
-        family="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_ids=(2,),
-        bos_token_id=1,
-        mtp=MtpConfig(layout="deepseek"),
-    )
+    """Test size (the llama family's `llama-with-mtp-head`): 2 layers, hidden 64, vocab 256, a DeepSeek-layout head."""
+    return tiny_family_shape("llama-with-mtp-head")
 
 
 def smollm2_135m() -> ModelConfig:
@@ -122,36 +114,9 @@ def smollm2_135m() -> ModelConfig:
 
 
 def deepseek_v3_tiny() -> ModelConfig:
-    """Test size (configs/tiny/deepseek_v3.json): 3 layers (1 dense, 2 with 16 routed experts, top-4 of 2 groups
-    of the 4), MLA with query LoRA, yarn rotary, a DeepSeek MTP layer with experts."""
-    return ModelConfig(
-        family="deepseek_v3",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=24,
-        rope=RopeConfig(
-            kind="yarn", factor=4.0, original_max_position_embeddings=128, mscale_all_dim=1.0, interleaved=True
-        ),
-        max_position_embeddings=512,
-        eos_token_ids=(2,),
-        bos_token_id=1,
-        mtp=MtpConfig(layout="deepseek"),
-        mla=MlaConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48),
-        moe=MoeConfig(
-            num_experts=16,
-            experts_per_token=4,
-            expert_intermediate_size=32,
-            num_shared_experts=1,
-            num_groups=4,
-            topk_groups=2,
-            routed_scaling_factor=2.5,
-            first_dense_layers=1,
-        ),
-    )
+    """Test size (the deepseek_v3 family's): 3 layers (1 dense, 2 with 16 routed experts, top-4 of 2 groups of the
+    4), MLA with query LoRA, yarn rotary, a DeepSeek MTP layer with experts."""
+    return tiny_family_shape("deepseek_v3")
 
 
 def deepseek_v3_slice() -> ModelConfig:
@@ -161,38 +126,11 @@ def deepseek_v3_slice() -> ModelConfig:
     return full.replace(num_layers=2, moe=dataclasses.replace(full.moe, first_dense_layers=1))
 
 
-def _qwen_hybrid(num_layers: int, **shape) -> ModelConfig:
-    """A Qwen3.5 / 3.6 dense hybrid trunk: 3 gated DeltaNet layers then 1 gated attention layer, repeated."""
-    linear = shape.pop("linear")
-    return ModelConfig(
-        family="qwen3_5",
-        num_layers=num_layers,
-        rope=RopeConfig(theta=10_000_000.0, partial_factor=0.25),
-        mtp=MtpConfig(layout="qwen_next", recurse_normed=True),
-        linear_attention=linear,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)),
-        gated_attention=True,
-        zero_centered_norms=True,
-        **shape,
-    )
-
-
 def qwen3_5_tiny() -> ModelConfig:
-    """Test size (configs/tiny/qwen3_5.json has 4 layers, 2 groups of 2): 8 layers, 2 groups of (3 DeltaNet, 1
-    gated attention), hidden 64, vocab 256, its MTP layer."""
-    return _qwen_hybrid(
-        8,
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        eos_token_ids=(2,),
-        tie_word_embeddings=True,
-        linear=GatedDeltaNetConfig(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16),
-    )
+    """The qwen3_5 family's test size (4 layers, 2 groups of 2) at 8 layers, 2 groups of (3 DeltaNet, 1 gated
+    attention), hidden 64, vocab 256, its MTP layer."""
+    layer_types = ("linear_attention",) * 3 + ("full_attention",)
+    return tiny_family_shape("qwen3_5").replace(num_layers=8, layer_types=layer_types * 2)
 
 
 def qwen3_6_27b_slice() -> ModelConfig:

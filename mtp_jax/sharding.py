@@ -16,6 +16,9 @@ attention cache whose heads stay whole so (or that has none: MLA's latents) is s
     model = mtp_jax.load_model(path, mesh=mesh)   # each parameter lands directly in its NamedSharding
     out = mtp_jax.generate(model, ids, lens, key, cfg)  # caches and outputs sharded over `data`
 
+Each parameter declares its logical axes where its module creates it (`nnx.Param(value, axes=(...))`, `AXES_KEY`);
+`shard_model` places every parameter by the axes it declared (`param_axes`), and refuses one that declared none.
+
 `constrain(x, ("batch", "seq", "embed"))` pins an activation's layout at a block boundary while a sharded model
 is being traced (inside `generate`), and is a no-op otherwise.
 """
@@ -31,7 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+from flax import nnx
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "expert", "model")  # `model` innermost: neighbouring devices share a tensor-parallel group
@@ -93,62 +97,9 @@ def make_mesh(spec: str = "auto", devices: Sequence[jax.Device] | None = None) -
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
-# Logical axes of every parameter, by the last components of its path (the longest match wins); leading stacked
-# axes are `layers`. A parameter with no entry is refused by `param_axes`, so a new block must add its own here.
-PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
-    ("embed",): ("vocab", "embed"),  # [V, D]; also the MTP layer's own embedding
-    ("lm_head",): ("embed", "vocab"),
-    ("mtp", "head"): ("embed", "vocab"),  # the MTP layer's own lm_head
-    ("mtp", "proj"): (None, "embed"),  # [2D, D]: the fused [e, h] input is not a model axis
-    ("draft_vocab",): (None,),  # a few thousand token ids
-    ("scale",): ("embed",),  # RMSNorm weights over the model width
-    ("q_norm", "scale"): ("head_dim",),
-    ("k_norm", "scale"): ("head_dim",),
-    # GQA attention
-    ("q_proj",): ("embed", "heads", "head_dim"),  # also MLA's [D, N, H+P] without a query LoRA
-    ("k_proj",): ("embed", "kv_heads", "head_dim"),
-    ("v_proj",): ("embed", "kv_heads", "head_dim"),
-    ("o_proj",): ("heads", "head_dim", "embed"),  # also MLA's [N, W, D]
-    ("q_bias",): ("heads", "head_dim"),
-    ("k_bias",): ("kv_heads", "head_dim"),
-    ("v_bias",): ("kv_heads", "head_dim"),
-    ("o_bias",): ("embed",),
-    # latent attention (MLA): the low-rank projections and the latent are shared by all heads
-    ("q_a_proj",): ("embed", None),  # [D, Q]
-    ("q_a_norm", "scale"): (None,),
-    ("q_b_proj",): (None, "heads", "head_dim"),  # [Q, N, H+P]
-    ("kv_a_proj",): ("embed", None),  # [D, R+P]
-    ("kv_a_norm", "scale"): (None,),
-    ("kv_b_proj",): (None, "heads", "head_dim"),  # [R, N, H+W]
-    # dense MLP (and shared experts)
-    ("gate_proj",): ("embed", "mlp"),
-    ("up_proj",): ("embed", "mlp"),
-    ("down_proj",): ("mlp", "embed"),
-    ("gate_bias",): ("mlp",),
-    ("up_bias",): ("mlp",),
-    ("down_bias",): ("embed",),
-    # routed experts
-    ("router",): ("embed", None),  # [D, E]: every shard scores every expert
-    ("router_bias",): (None,),
-    ("expert_gate",): ("experts", "embed", "expert_mlp"),
-    ("expert_up",): ("experts", "embed", "expert_mlp"),
-    ("expert_down",): ("experts", "expert_mlp", "embed"),
-    # gated attention (Qwen3-Next, Qwen3.5): the output gate has the query's layout
-    ("attn", "gate_proj"): ("embed", "heads", "head_dim"),
-    # softmax-routed experts: the shared expert's per-token gate
-    ("shared", "gate"): ("embed",),
-    # gated DeltaNet: the q, k, v channel projection split like an MLP width (the short conv then gathers the
-    # step's [B, T, C] channels, which the conv state and weight keep whole); the per-value-head projections over heads
-    ("in_proj_qkv",): ("embed", "mlp"),  # [D, C]
-    ("conv",): (None, None),  # [W, C]
-    ("in_proj_z",): ("embed", "heads", None),  # [D, N, Y]
-    ("in_proj_b",): ("embed", "heads"),  # [D, N]
-    ("in_proj_a",): ("embed", "heads"),
-    ("dt_bias",): ("heads",),
-    ("A_log",): ("heads",),
-    ("attn", "norm", "scale"): (None,),  # [Y] the gated output norm, per value-head dim
-    ("out_proj",): ("heads", None, "embed"),  # [N, Y, D]
-}
+# Every parameter declares its logical axes where its module creates it, as metadata under this key:
+# `nnx.Param(value, axes=("embed", "vocab"))`; leading stacked axes (nnx.vmap's) are `layers` (`param_axes`).
+AXES_KEY = "axes"
 
 # Activation and cache layouts the code constrains (checked for collisions with the parameters' layouts).
 HIDDEN = ("batch", "seq", "embed")  # [B, T, D]
@@ -162,20 +113,32 @@ DELTANET_STATE = ("layers", "batch", "heads", None, None)  # [L, B, N, H, Y] ove
 LOGITS = ("batch", ..., "vocab")  # [B, ..., V]
 
 
-QUANTIZED_PARTS = ("values", "scales")  # the arrays of a quantized weight (mtp_jax.quant), laid out as the weight
+def param_axes(variable, name: str) -> tuple[str | None, ...]:
+    """Logical axes of an nnx variable (`name`: its path, for the error) as its module declared them (`AXES_KEY`),
+    with `layers` for each leading stacked axis; a quantized weight's values and scales take the weight's (the
+    scales' size-1 axes then stay whole). A variable created without axes is refused."""
+    axes = variable.get_metadata().get(AXES_KEY)
+    if axes is None:
+        raise ValueError(f"parameter {name} declares no logical axes: create it with nnx.Param(value, axes=(...))")
+    ndim = len(variable.get_value().shape)
+    return ("layers",) * (ndim - len(axes)) + tuple(axes)
 
 
-def param_axes(path: Sequence[str], ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at `path` (its nnx state path) with `ndim` dimensions; a quantized weight's
-    values and scales take the weight's (the scales' size-1 axes then stay whole)."""
-    path = tuple(str(p) for p in path)
-    if path and path[-1] in QUANTIZED_PARTS:
-        path = path[:-1]
-    for n in range(len(path), 0, -1):
-        axes = PARAM_AXES.get(path[-n:])
-        if axes is not None and len(axes) <= ndim:
-            return ("layers",) * (ndim - len(axes)) + axes
-    raise ValueError(f"no logical axes for parameter {'/'.join(path)}: add it to PARAM_AXES in {__name__}")
+def param_layouts(module) -> dict[tuple[str, ...], tuple[str | None, ...]]:
+    """The logical axes (`param_axes`) of every variable of `module` (an nnx module, abstract or not), by state path."""
+    flat = nnx.to_flat_state(nnx.state(module))
+    return {path: param_axes(variable, "/".join(path)) for path, variable in ((tuple(map(str, p)), v) for p, v in flat)}
+
+
+def map_params(module, place: Callable[[jax.Array, tuple[str | None, ...]], object]):
+    """A copy of `module` with every array `leaf` of every variable (both of a quantized weight) replaced by
+    `place(leaf, its logical axes)`."""
+    graphdef, state = nnx.split(module)
+    flat = nnx.to_flat_state(state)
+    for path, variable in flat:
+        axes = param_axes(variable, "/".join(map(str, path)))
+        variable.set_value(jax.tree.map(lambda leaf, axes=axes: place(leaf, axes), variable.get_value()))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +146,8 @@ class ShardingRules:
     """Where each logical axis lives on `mesh`: a mesh axis, a tuple of mesh axes, or None (replicated).
 
     Hashable (it is part of a jitted function's static arguments through the model it is attached to).
-    A layout that would put one mesh axis on two dimensions of the same tensor is refused when the rules are made.
+    A layout that would put one mesh axis on two dimensions of the same tensor is refused: the activation and cache
+    layouts when the rules are made, a parameter's declared layout when it is placed.
     Example: `ShardingRules(mesh, vocab=None)` keeps the embedding and lm_head whole on every device;
     `rules.sharding(("batch", None))` is the sharding of a [B, T] prompt batch.
     """
@@ -206,9 +170,8 @@ class ShardingRules:
             for axis in self.mesh_axes(name):
                 if axis not in self.mesh.axis_names:
                     raise ValueError(f"rules map {name} to mesh axis {axis!r}, which mesh {self.mesh.axis_names} lacks")
-        for layout in (*PARAM_AXES.values(), HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, WHOLE_HEADS, DELTANET_CONV,
-                       DELTANET_STATE, LOGITS):  # fmt: skip
-            self.spec(layout)
+        for layout in (HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, WHOLE_HEADS, DELTANET_CONV, DELTANET_STATE, LOGITS):
+            self.spec(layout)  # a parameter's declared layout is checked so when it is placed (`shard_model`)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         """The mesh axes a logical axis is split over (empty: replicated)."""
@@ -275,10 +238,6 @@ class ShardingRules:
     def sharding(self, logical: Logical, shape: Sequence[int] | None = None) -> NamedSharding:
         """The NamedSharding on this mesh for a tensor with these logical axes (see `spec`)."""
         return NamedSharding(self.mesh, self.spec(logical, shape))
-
-    def param_sharding(self, path: Sequence[str], shape: Sequence[int]) -> NamedSharding:
-        """The NamedSharding of the parameter at `path` (its nnx state path) with `shape`."""
-        return self.sharding(param_axes(path, len(shape)), shape)
 
 
 _ACTIVE: contextvars.ContextVar[ShardingRules | None] = contextvars.ContextVar("mtp_jax_sharding", default=None)
@@ -356,8 +315,6 @@ def to_host(x: jax.Array) -> np.ndarray:
     """The whole of a (possibly multi-process) array as a NumPy array, on every process."""
     if x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -372,21 +329,17 @@ def path_names(path) -> list[str]:
 
 
 def shard_model(model, mesh: Mesh | ShardingRules):
-    """`model` with every parameter moved into its sharding and the rules attached (so `generate` shards too)."""
-    from flax import nnx
-
+    """`model` with every parameter moved into the sharding of its declared logical axes and the rules attached (so
+    `generate` shards too)."""
     rules = rules_for(mesh)
-    graphdef, state = nnx.split(model)
 
-    def put(path, value):
-        sharding = rules.param_sharding(path_names(path), value.shape)
+    def put(value, axes):
+        sharding = rules.sharding(axes, value.shape)
         if sharding.is_fully_addressable:
             return jax.device_put(value, sharding)
         return place_host_array(np.asarray(value), sharding)
 
-    params = jax.tree_util.tree_map_with_path(put, nnx.to_pure_dict(state))
-    nnx.replace_by_pure_dict(state, params)
-    sharded = nnx.merge(graphdef, state)
+    sharded = map_params(model, put)
     sharded.sharding_rules = rules
     return sharded
 

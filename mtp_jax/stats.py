@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from mtp_jax.speculative import DecodeStats
+from mtp_jax.loop_state import DecodeStats
 
 
 def add(total: dict | None, stats: DecodeStats) -> dict:

@@ -21,9 +21,24 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from mtp_jax import checkpoint
+from mtp_jax.config import MtpConfig
+from mtp_jax.distill import distill
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
-from mtp_jax.heads import HEAD_CONFIG
+from mtp_jax.heads import HEAD_CONFIG, save_head, trunk_fingerprint
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.score import acceptance_counts, summarize, teacher_forced_predictions
+from mtp_jax.training import (
+    SequenceData,
+    TrainConfig,
+    Trainer,
+    check_sequences,
+    frequent_tokens,
+    grow_head,
+    init_head_from_trunk,
+    read_records,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def training_model(trunk, args, records):
     """The model to train: the trunk plus a head (the existing one, or new with a DeepSeek-style layout)."""
-    from mtp_jax.config import MtpConfig
-    from mtp_jax.models.causal_lm import CausalLM
-    from mtp_jax.training import frequent_tokens, grow_head, init_head_from_trunk
 
     if args.init == "existing":
         if not trunk.config.has_mtp:
@@ -108,8 +120,6 @@ def training_model(trunk, args, records):
 
 
 def load_sequences(path: str, model, tokenizer) -> list[dict]:
-    from mtp_jax.distill import distill
-    from mtp_jax.training import check_sequences, read_records
 
     try:
         records = read_records(path)
@@ -131,7 +141,6 @@ def load_sequences(path: str, model, tokenizer) -> list[dict]:
 def evaluate(model, data, num_steps: int) -> dict:
     """Teacher-forced acceptance per depth over the responses of held-out sequences (`python -m mtp_jax.score`'s
     metric, counted where decoding drafts)."""
-    from mtp_jax.score import acceptance_counts, summarize, teacher_forced_predictions
 
     totals = None
     for start in range(0, len(data), 8):
@@ -144,9 +153,6 @@ def evaluate(model, data, num_steps: int) -> dict:
 
 
 def run(args) -> int:
-    from mtp_jax import checkpoint
-    from mtp_jax.heads import save_head
-    from mtp_jax.training import SequenceData, TrainConfig, Trainer
 
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 4 or args.num_mtp_steps < 1:
         raise UserError("--steps, --batch-size, --num-mtp-steps must be >= 1 and --seq-len >= 4")
@@ -232,7 +238,6 @@ def saved_steps(checkpoints: str) -> list[str]:
 def run_settings(args, model) -> dict:
     """What makes a run's checkpoints continue it: the trunk, the head's shape and draft vocabulary, the data and the
     optimization settings (not --steps: a run may be extended)."""
-    from mtp_jax.heads import trunk_fingerprint
 
     digest = hashlib.sha256()
     with open(args.data, "rb") as f:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx, struct
 
 from mtp_jax.errors import UserError
@@ -192,7 +193,6 @@ class Trainer:
 
     # Checkpoints: params and optimizer state as flat leaf lists (restored into this trainer's structures).
     def save(self, directory: str) -> None:
-        import orbax.checkpoint as ocp
 
         state = {"params": jax.tree.leaves(self.params), "opt": jax.tree.leaves(self.opt_state)}
         with ocp.CheckpointManager(os.path.abspath(directory), options=_manager_options()) as manager:
@@ -201,7 +201,6 @@ class Trainer:
 
     def restore(self, directory: str) -> bool:
         """Restore the latest checkpoint in `directory`; False when there is none."""
-        import orbax.checkpoint as ocp
 
         with ocp.CheckpointManager(os.path.abspath(directory), options=_manager_options()) as manager:
             step = manager.latest_step()
@@ -216,7 +215,6 @@ class Trainer:
 
 
 def _manager_options():
-    import orbax.checkpoint as ocp
 
     # A save cut short by a kill stays a temporary folder (never a checkpoint); the next manager removes it.
     return ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True)

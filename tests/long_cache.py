@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK
 
 STARTS = (290, 100)  # row 0's block past the first chunk; row 1's over slots 100..289 of stale prefill
 BLOCK = 10
@@ -18,8 +18,8 @@ def check_logits_after_a_long_cache(hf, model, ids: np.ndarray) -> None:
     block at 290 and row 1's at 100 (its slots 100..289 are stale, hidden by rollback by length); each against
     transformers' logits over that row's whole sequence."""
     slots, prefix = 2 * ATTENTION_CHUNK, max(STARTS)
-    assert chunk_count(slots) == 2 and ids.shape == (2, prefix + BLOCK)
-    cache = model.new_cache(2, slots)
+    assert ids.shape == (2, prefix + BLOCK)
+    cache = model.new_cache(2, slots, "chunked")
     _, cache = model.trunk(ids[:, :prefix], jnp.broadcast_to(jnp.arange(prefix), (2, prefix)), cache)
     positions = np.asarray(STARTS)[:, None] + np.arange(BLOCK)  # [2, BLOCK]
     hidden, _ = model.trunk(np.take_along_axis(ids, positions, axis=1), positions, cache)

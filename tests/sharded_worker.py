@@ -23,15 +23,14 @@ from flax import nnx
 
 import mtp_jax
 from checkpoints_convert.__main__ import main as convert_main
-from checkpoints_convert.export import save_hf_folder
 from mtp_jax import heads, shapes, sharding
-from mtp_jax.cache import long_cache_shards
+from mtp_jax.cache import cache_slots, long_cache_shards
 from mtp_jax.config import MoeConfig, MtpConfig
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, grouped_attention
+from mtp_jax.conversion.export import save_hf_folder
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention, grouped_attention
 from mtp_jax.models.mla import MultiHeadLatentAttention
 from mtp_jax.models.moe import MoE
 from mtp_jax.models.softmax_moe import SoftmaxMoE
-from mtp_jax.speculative import cache_slots
 from tests.hybrid_models import hybrid_config, predictable_hybrid_model
 from tests.test_lossless_moe import predictable_moe_model
 from tests.tiny_models import predictable_model, tiny_config
@@ -303,7 +302,7 @@ def slot_attention_report() -> dict:
     past_k, past_v = (rng.normal(size=(b, slots, kv, h)).astype(np.float32) for _ in range(2))
 
     def gqa(past_k, past_v):
-        return grouped_attention(q, k, v, positions, past_k, past_v, visible_from)
+        return grouped_attention(q, k, v, positions, past_k, past_v, visible_from, default_attention(past_k.shape[1]))
 
     got, gqa_shards = on_mesh(gqa, sharding.CACHE[1:])(past_k, past_v)
     errors = {"gqa": float(np.abs(got - gqa(past_k[:, :one_pass], past_v[:, :one_pass])).max())}
@@ -316,7 +315,8 @@ def slot_attention_report() -> dict:
     for absorb in (True, False):
 
         def mla(past, absorb=absorb):
-            return layer(x, positions, rope, past, absorb=absorb, visible_from=visible_from)[0]
+            attention = default_attention(past.shape[1])
+            return layer(x, positions, rope, past, absorb=absorb, visible_from=visible_from, attention=attention)[0]
 
         got, latent_shards = on_mesh(mla, sharding.LATENT_CACHE[1:])(latents)
         errors["latent_absorbed" if absorb else "latent_expanded"] = float(
@@ -371,7 +371,7 @@ def main(out_path: str, workdir: str) -> None:
 
     # A weight read back whole on every device: the all-gather the check must catch.
     rules = sharding.ShardingRules(mesh)
-    weight = sharding.place_host_array(np.ones((32, 64), np.float32), rules.param_sharding(("gate_proj",), (32, 64)))
+    weight = sharding.place_host_array(np.ones((32, 64), np.float32), rules.sharding(("embed", "mlp"), (32, 64)))
     gathered = jax.jit(lambda w, x: x @ jax.lax.with_sharding_constraint(w, rules.sharding((None, None))))
     report["control_all_gathers"] = all_gather_shapes(gathered.lower(weight, jnp.ones((4, 32))).compile().as_text())
 

@@ -3,6 +3,7 @@ acceptance, and greedy output identical to plain decoding while the loop moves b
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -14,7 +15,6 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.export import save_hf_folder
 from mtp_jax.adaptive import (
     LONGEST_REST,
     REST_ROUNDS,
@@ -26,9 +26,13 @@ from mtp_jax.adaptive import (
     expected_tokens,
     probe_cycle,
 )
+from mtp_jax.cache import cache_slots
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
+from mtp_jax.prefill import prefill
+from mtp_jax.rounds import Round, RoundKind, catch_up, round_context, run_round
 from mtp_jax.shapes import SHAPES
-from mtp_jax.speculative import _arguments, _generate, _prefill, _Round, cache_slots
+from mtp_jax.speculative import compile_generate
 from tests.test_lossless_mtp import PROMPT_LENS, PROMPTS
 from tests.tiny_models import predictable_model, tiny_config
 
@@ -158,8 +162,7 @@ def test_adaptive_rounds_update_the_trunk_cache_in_place():
     shapes = {s.replace("float32", "f32") for s in shapes}
 
     def cache_copies(cfg) -> int:
-        args, static = _arguments(model, PROMPTS, PROMPT_LENS, key, cfg, None)
-        text = _generate.lower(*args, **static).compile().as_text()
+        text = compile_generate(model, PROMPTS, PROMPT_LENS, key, cfg).as_text()
         return sum(len(re.findall(rf"= {re.escape(shape)}{{[0-9,]*}} copy\(", text)) for shape in shapes)
 
     plain = cache_copies(mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=23, stop_on_eos=False))  # same slots
@@ -179,12 +182,13 @@ def test_rests_then_catch_up_gives_the_mtp_cache_of_a_prefill():
     lens = jnp.asarray([3, 6], jnp.int32)
     ids = jnp.asarray(PROMPTS[[2, 1], :6]) * (jnp.arange(6) < lens[:, None])
     slots, eos, keys = 48, jnp.zeros((0,), jnp.int32), jax.random.split(jax.random.key(0), 2)
-    state = _prefill(model, cfg, None, eos, ids, lens, keys, slots)
-    rest = _Round(model, cfg, None, eos, 0, rest=True)
+    state = prefill(model, cfg, None, eos, ids, lens, keys, slots)
+    ctx = round_context(model, cfg, None, eos, [])
+    rest = functools.partial(run_round, ctx, Round(RoundKind.REST))
     for _ in range(REST_ROUNDS):
         state = rest(state)
-    assert np.asarray(state.mtp_count).tolist() == [REST_ROUNDS + 1] * 2
-    _, _, caught_up = _Round(model, cfg, None, eos, 1).catch_up(state)
+    assert np.asarray(state.block.count).tolist() == [REST_ROUNDS + 1] * 2
+    _, _, caught_up = catch_up(ctx, state)
 
     # The same text as prompts: prompt + the tokens generated before the pending one; the pending one comes first.
     tokens = np.asarray(state.tokens)
@@ -192,7 +196,7 @@ def test_rests_then_catch_up_gives_the_mtp_cache_of_a_prefill():
     width = max(map(len, longer))
     ids2 = jnp.asarray([row + [0] * (width - len(row)) for row in longer], jnp.int32)
     lens2 = jnp.asarray([len(row) for row in longer], jnp.int32)
-    reference = _prefill(model, cfg, None, eos, ids2, lens2, keys, slots)
+    reference = prefill(model, cfg, None, eos, ids2, lens2, keys, slots)
     np.testing.assert_array_equal(np.asarray(reference.pending), tokens[:, REST_ROUNDS])  # same text, same token
     for r in range(2):
         valid = int(lens2[r])  # MTP cache slots 0 .. n-1, n the pending token's position
@@ -257,15 +261,16 @@ def test_sliding_rests_leave_the_mtp_layer_the_blocks_context_only(shape):
     lens = jnp.asarray([3, 6], jnp.int32)
     ids = jnp.asarray([[5, 9, 7, 0, 0, 0], [8, 4, 6, 10, 11, 12]], jnp.int32)
     slots, eos, keys = 64, jnp.zeros((0,), jnp.int32), jax.random.split(jax.random.key(0), 2)
-    state = _prefill(model, cfg, None, eos, ids, lens, keys, slots)
-    rest = jax.jit(_Round(model, cfg, None, eos, 0, rest=True))
+    state = prefill(model, cfg, None, eos, ids, lens, keys, slots)
+    ctx = round_context(model, cfg, None, eos, [])
+    rest = jax.jit(functools.partial(run_round, ctx, Round(RoundKind.REST)))
     for _ in range(width - 1 + slides):
         state = rest(state)
     start = np.asarray(lens) - 1 + slides  # the block's first position
-    np.testing.assert_array_equal(np.asarray(state.mtp_start), start)
-    np.testing.assert_array_equal(np.asarray(state.mtp_visible_from), start)
-    assert np.asarray(state.mtp_count).tolist() == [width, width]
-    _, normed, _ = _Round(model, cfg, None, eos, 1).catch_up(state)
+    np.testing.assert_array_equal(np.asarray(state.block.start), start)
+    np.testing.assert_array_equal(np.asarray(state.block.visible_from), start)
+    assert np.asarray(state.block.count).tolist() == [width, width]
+    _, normed, _ = catch_up(ctx, state)
 
     tokens = np.asarray(state.tokens)
     for r in range(2):
@@ -280,5 +285,6 @@ def test_sliding_rests_leave_the_mtp_layer_the_blocks_context_only(shape):
         np.testing.assert_allclose(np.asarray(normed[r]), np.asarray(expected[0, -1]), atol=1e-4, rtol=1e-4)
 
     # With the stale prefix visible (no mask) the output moves: the check above can fail.
-    _, unmasked, _ = _Round(model, cfg, None, eos, 1).catch_up(state.replace(mtp_visible_from=jnp.zeros_like(lens)))
+    unmasked_block = state.block.replace(visible_from=jnp.zeros_like(lens))
+    _, unmasked, _ = catch_up(ctx, state.replace(block=unmasked_block))
     assert not np.allclose(np.asarray(unmasked), np.asarray(normed), atol=1e-3)

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.export import save_hf_folder
 from mtp_jax.bench import main as bench_main
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.round_timing import RoundTimer
 from mtp_jax.shapes import SHAPES
 from tests.hybrid_models import predictable_hybrid_model
@@ -128,18 +128,18 @@ def test_resting_cycle_part_is_the_adaptive_loops_rests_then_a_probe():
 
     from mtp_jax.adaptive import probe_cycle
     from mtp_jax.config import DecodeConfig
-    from mtp_jax.round_timing import _prefilled_state, _repeat_part
+    from mtp_jax.round_timing import prefilled_state, repeat_part
 
     model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
     ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
     cfg = DecodeConfig(num_draft=2, max_new_tokens=40, stop_on_eos=False, adaptive=True)
     graphdef, params = flax_nnx.split(model)
-    state = _prefilled_state(graphdef, params, ids, lens, cfg, 64)
-    after = _repeat_part(graphdef, params, state, cfg, "cycle", 0, 1)
+    state = prefilled_state(graphdef, params, ids, lens, cfg, 64)
+    after = repeat_part(graphdef, params, state, cfg, "cycle", 0, 1)
     width = probe_cycle(2)
     assert int(after.stats.rounds) == width and int(after.stats.rests) == width - 1
-    assert np.asarray(after.mtp_count).tolist() == [1, 1]
-    np.testing.assert_array_equal(np.asarray(after.mtp_start), np.asarray(lens) + width - 1)  # the probed slot
+    assert np.asarray(after.block.count).tolist() == [1, 1]
+    np.testing.assert_array_equal(np.asarray(after.block.start), np.asarray(lens) + width - 1)  # the probed slot
     costs = RoundTimer(model, ids, lens, 40, iterations=2, repeats=1).adaptive_costs(2)
     assert len(costs) == 3 and all(c >= 1 for c in costs) and costs[2] >= costs[1], costs
 
@@ -158,13 +158,13 @@ def test_verify_part_computes_the_logits():
     """The timed verify pass of a dense trunk (no recurrent states to keep) still computes its lm_head over the
     block: a program that dropped it as dead code would time the trunk's layers alone."""
     from mtp_jax.config import DecodeConfig
-    from mtp_jax.round_timing import _prefilled_state, _repeat_part
+    from mtp_jax.round_timing import prefilled_state, repeat_part
 
     model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
     vocab = model.config.vocab_size
     ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
     cfg = DecodeConfig(num_draft=2, max_new_tokens=8, stop_on_eos=False)
     graphdef, params = nnx.split(model)
-    state = _prefilled_state(graphdef, params, ids, lens, cfg, 16)
-    hlo = _repeat_part.lower(graphdef, params, state, cfg, "verify", 2, 1).compile().as_text()
+    state = prefilled_state(graphdef, params, ids, lens, cfg, 16)
+    hlo = repeat_part.lower(graphdef, params, state, cfg, "verify", 2, 1).compile().as_text()
     assert f"f32[2,3,{vocab}]" in hlo, f"no [B, j+1, V] logits in the verify part's program (V = {vocab})"

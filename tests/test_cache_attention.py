@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax.cache import cache_slots, decode_attention
 from mtp_jax.config import DecodeConfig
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, chunk_count, grouped_attention
-from mtp_jax.speculative import cache_slots
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention, grouped_attention
 
 B, T, N, K, H = 3, 4, 6, 2, 8
 
@@ -55,9 +55,10 @@ def test_attention_over_the_cache_matches_numpy(slots, starts):
     q, k, v, positions, past_k, past_v = inputs(slots, starts)
     visible_from = np.array([0, 3, ATTENTION_CHUNK + 1], np.int32)
     visible_from = np.minimum(visible_from, positions[:, 0])
-    got = grouped_attention(q, k, v, positions, past_k, past_v, visible_from)
+    attention = default_attention(slots)
+    got = grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention)
     np.testing.assert_allclose(got, reference(q, k, v, positions, past_k, past_v, visible_from), atol=2e-5)
-    got = grouped_attention(q, k, v, positions, past_k, past_v)
+    got = grouped_attention(q, k, v, positions, past_k, past_v, attention=attention)
     everything = np.zeros(B, np.int32)
     np.testing.assert_allclose(got, reference(q, k, v, positions, past_k, past_v, everything), atol=2e-5)
 
@@ -66,15 +67,14 @@ def test_chunked_attention_is_differentiable_like_one_pass():
     """Gradients through the chunked pass (a static-length loop with skipped chunks) equal those of the one-pass
     path on the same visible data: the chunked cache is the one-pass cache padded with slots nobody sees."""
     slots = 2 * ATTENTION_CHUNK
-    assert chunk_count(slots) == 2 and chunk_count(slots - 16) == 0
     q, k, v, positions, past_k, past_v = inputs(slots, (3, ATTENTION_CHUNK + 5, 40), seed=1)
 
-    def loss(q, past_k, cache_slots):
-        out = grouped_attention(q, k, v, positions, past_k[:, :cache_slots], past_v[:, :cache_slots])
+    def loss(q, past_k, cache_slots, attention):
+        out = grouped_attention(q, k, v, positions, past_k[:, :cache_slots], past_v[:, :cache_slots], None, attention)
         return jnp.sum(jnp.sin(out))
 
-    chunked = jax.grad(loss, argnums=(0, 1))(q, past_k, slots)
-    one_pass = jax.grad(loss, argnums=(0, 1))(q, past_k, slots - 16)
+    chunked = jax.grad(loss, argnums=(0, 1))(q, past_k, slots, "chunked")
+    one_pass = jax.grad(loss, argnums=(0, 1))(q, past_k, slots - 16, "one_pass")
     np.testing.assert_allclose(chunked[0], one_pass[0], atol=2e-5)
     np.testing.assert_allclose(chunked[1], one_pass[1], atol=2e-5)  # [B, S, K, H]
     assert np.asarray(chunked[1][:, : positions[:, 0].max()]).any()
@@ -82,16 +82,19 @@ def test_chunked_attention_is_differentiable_like_one_pass():
 
 
 def test_plain_and_mtp_caches_take_the_same_attention_path():
-    """Whether a decode cache is made of whole chunks depends on prompt and budget, not on the number of drafts k,
-    so plain and MTP decoding attend the same way (greedy MTP == plain rests on it); every cache holds its need."""
+    """Whether decoding attends its cache chunk by chunk depends on prompt and budget, not on the number of drafts
+    k, so plain and MTP decoding attend the same way (greedy MTP == plain rests on it); every cache holds its need,
+    and a chunked one is whole chunks."""
     for prompt in (1, 16, 48, 200, 250, 256, 300):
         for budget in (1, 6, 7, 64, 200, 250, 1000):
-            plain = cache_slots(prompt, DecodeConfig(num_draft=0, max_new_tokens=budget))
+            plain = decode_attention(prompt, DecodeConfig(num_draft=0, max_new_tokens=budget))
             for k in (1, 3, 8, 300):
-                slots = cache_slots(prompt, DecodeConfig(num_draft=k, max_new_tokens=budget))
+                cfg = DecodeConfig(num_draft=k, max_new_tokens=budget)
+                slots = cache_slots(prompt, cfg)
                 assert slots >= prompt + budget + k + 1 and slots % 16 == 0
-                assert bool(chunk_count(slots)) == bool(chunk_count(plain)), (prompt, budget, k)
-            assert bool(chunk_count(plain)) == (prompt + budget + 1 > ATTENTION_CHUNK)
+                assert decode_attention(prompt, cfg) == plain, (prompt, budget, k)
+                assert plain == "one_pass" or slots % ATTENTION_CHUNK == 0
+            assert (plain == "chunked") == (prompt + budget + 1 > ATTENTION_CHUNK)
 
 
 def test_caches_split_over_slots_hold_whole_chunks_per_shard():
@@ -105,6 +108,6 @@ def test_caches_split_over_slots_hold_whole_chunks_per_shard():
                     slots, needed = cache_slots(prompt, cfg, shards), prompt + budget + k + 1
                     assert needed <= slots < needed + shards * ATTENTION_CHUNK
                     if prompt + budget + 1 > ATTENTION_CHUNK:
-                        assert slots % (shards * ATTENTION_CHUNK) == 0 and chunk_count(slots) >= shards
+                        assert slots % (shards * ATTENTION_CHUNK) == 0 and slots >= shards * ATTENTION_CHUNK
                     else:
-                        assert slots == cache_slots(prompt, cfg) and not chunk_count(slots)
+                        assert slots == cache_slots(prompt, cfg) and decode_attention(prompt, cfg) == "one_pass"

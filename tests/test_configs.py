@@ -1,9 +1,7 @@
-"""The tiny reference configs in configs/tiny map through the converter and decode (MTP == plain when a head)."""
+"""Every family's tiny config (`Family.tiny_configs`) maps through the converter and decodes (MTP == plain when a
+head)."""
 
 from __future__ import annotations
-
-import json
-import pathlib
 
 import jax
 import numpy as np
@@ -11,15 +9,15 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.hf_config import model_config_from_hf
+from mtp_jax.families.registry import model_config_from_hf, tiny_configs
 
-CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs" / "tiny").glob("*.json"))
+CONFIGS = tiny_configs()
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_reference_config_maps_and_decodes(path):
-    cfg = model_config_from_hf(json.loads(path.read_text()))
-    assert cfg.family == json.loads(path.read_text())["model_type"]
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_reference_config_maps_and_decodes(name):
+    cfg = model_config_from_hf(CONFIGS[name])
+    assert cfg.family == CONFIGS[name]["model_type"]
     model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(0))
     prompts, lens = np.array([[5, 6, 7, 8], [9, 10, 0, 0]]), np.array([4, 2])
     plain_cfg = mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=8, stop_on_eos=False)

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import mtp_jax
 from checkpoints_convert.__main__ import main as convert_main
-from checkpoints_convert.export import hf_tensors, save_hf_folder
+from mtp_jax.conversion.export import hf_tensors, save_hf_folder
 from tests.tiny_models import tiny_config
 
 

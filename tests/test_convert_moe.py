@@ -13,8 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 import mtp_jax
 from checkpoints_convert.__main__ import main as convert_main
-from checkpoints_convert.convert import config_of, convert_params
-from checkpoints_convert.source import open_source
+from mtp_jax.conversion.convert import config_of, convert_params
+from mtp_jax.params.open_source import open_source
 from tests.moe_models import MOE_SHAPE, save_with_mtp_layer
 
 NUM_LAYERS = 2  # layer 0 dense, layer 1 routed experts, the MTP layer at index 2

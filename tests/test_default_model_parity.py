@@ -49,7 +49,7 @@ def test_prompt_logits_match_transformers(default_model, hf_model):
 
     model, tokenizer = default_model
     ids = tokenizer(PROMPTS[1])["input_ids"]
-    cache = KVCache.zeros(model.config.num_layers, 1, 64, model.config, model.dtype)
+    cache = (KVCache.zeros(model.config.num_layers, 1, 64, model.config, model.dtype),)
     hidden, _ = model.trunk(np.asarray([ids]), np.arange(len(ids))[None], cache)
     ours = np.asarray(model.logits(hidden))[0]
     with torch.no_grad():

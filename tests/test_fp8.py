@@ -1,7 +1,7 @@
 """fp8 e4m3 checkpoints with 128x128 block scales (DeepSeek-V3's release format) convert to the dequantized values.
 
 The expected values are computed here element by element, W[i, j] = fp8[i, j] * scale_inv[i // 128, j // 128],
-independently of checkpoints_convert/fp8.py's block expansion.
+independently of mtp_jax/params/fp8.py's block expansion.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from safetensors.numpy import load_file
 from safetensors.torch import save_file
 
-from checkpoints_convert.convert import config_of, convert_params
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.fp8 import dequantize
-from checkpoints_convert.source import open_source
+from mtp_jax.conversion.convert import config_of, convert_params
+from mtp_jax.errors import ConversionError
+from mtp_jax.params.fp8 import dequantize
+from mtp_jax.params.open_source import open_source
 from tests.moe_models import random_hf_model
 
 BLOCK = 128

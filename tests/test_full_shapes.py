@@ -22,15 +22,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from checkpoints_convert.hf_config import model_config_from_hf
-from checkpoints_convert.source import SafetensorsFolderSource
 from mtp_jax import shapes
-from mtp_jax.checkpoint import CONFIG_FILE
 from mtp_jax.errors import UserError
+from mtp_jax.families.registry import model_config_from_hf, tiny_configs
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.params.source import SafetensorsFolderSource
+from mtp_jax.params.tree import CONFIG_FILE
 
 FULL = shapes.FULL_CONFIGS
-TINY = pathlib.Path(__file__).parent.parent / "configs" / "tiny"
 
 
 def released(name: str) -> dict:
@@ -207,7 +206,7 @@ def test_a_converted_folder_gives_its_own_config(name, tmp_path):
 
 
 def test_eos_from_generation_config_as_conversion_reads_it(tmp_path):
-    hf = json.loads((TINY / "llama.json").read_text())
+    hf = dict(tiny_configs()["llama"])
     hf.pop("eos_token_id")
     (tmp_path / "config.json").write_text(json.dumps(hf))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))

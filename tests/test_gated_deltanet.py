@@ -15,7 +15,7 @@ from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
-from checkpoints_convert import qwen_hybrid_layout as layout
+from mtp_jax.families import qwen_hybrid_layout as layout
 from mtp_jax.models.gated_deltanet import (
     CHUNK,
     DeltaNetState,
@@ -26,6 +26,8 @@ from mtp_jax.models.gated_deltanet import (
     recurrent_delta_rule,
     unit_lower_inverse,
 )
+from mtp_jax.params.transforms import DepthwiseConv
+from tests.parity_helpers import normal_inputs, state_dict_numpy, to_numpy
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 HIDDEN = 32
@@ -53,7 +55,7 @@ def _hf_config(family: str):
 
 def _ours(hf_layer: torch.nn.Module, cfg: GatedDeltaNetConfig, family: str) -> GatedDeltaNet:
     """Our layer holding the torch layer's weights, through the converter's layout functions."""
-    sd = {name: t.detach().numpy() for name, t in hf_layer.state_dict().items()}
+    sd = state_dict_numpy(hf_layer)
     ours = GatedDeltaNet(cfg, HIDDEN, dtype=jnp.float32, rngs=None)
     if family == "qwen3_next":
         qkv, z = layout.fused_qkvz(sd["in_proj_qkvz.weight"], cfg)
@@ -63,7 +65,7 @@ def _ours(hf_layer: torch.nn.Module, cfg: GatedDeltaNetConfig, family: str) -> G
         b, a = sd["in_proj_b.weight"].T, sd["in_proj_a.weight"].T
     values = {
         "in_proj_qkv": qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": a,
-        "conv": layout.conv_weight(sd["conv1d.weight"]), "out_proj": layout.out_proj(sd["out_proj.weight"], cfg),
+        "conv": DepthwiseConv()(sd["conv1d.weight"], None), "out_proj": layout.out_proj(sd["out_proj.weight"], cfg),
         "dt_bias": sd["dt_bias"], "A_log": sd["A_log"],
     }  # fmt: skip
     for name, value in values.items():
@@ -94,16 +96,12 @@ def layers(request):
     return hf_cfg, hf_layer.eval(), _ours(hf_layer, cfg, family), cfg
 
 
-def _inputs(seed: int, batch: int, length: int) -> torch.Tensor:
-    return torch.from_numpy(np.random.default_rng(seed).normal(size=(batch, length, HIDDEN)).astype(np.float32))
-
-
 def _j(t: torch.Tensor) -> jnp.ndarray:
-    return jnp.asarray(t.detach().numpy())
+    return jnp.asarray(to_numpy(t))
 
 
 def _close(ours, ref, **tol) -> None:
-    ref = ref.detach().numpy() if isinstance(ref, torch.Tensor) else ref
+    ref = to_numpy(ref) if isinstance(ref, torch.Tensor) else ref
     np.testing.assert_allclose(np.asarray(ours), ref, **(tol or TOL))
 
 
@@ -163,7 +161,7 @@ def test_prefill_decode_and_verify_states(layers):
     end where torch does."""
     hf_cfg, hf_layer, ours, cfg = layers
     prompt, block = CHUNK + 6, 4
-    x = _inputs(3, 2, prompt + block)
+    x = normal_inputs(3, (2, prompt + block, HIDDEN))
     cache = DynamicCache(config=hf_cfg)
     ref_states, ref_outs = [], []
     with torch.no_grad():
@@ -210,7 +208,7 @@ def test_right_padded_prefill_keeps_each_rows_state(layers):
     after its own tokens only."""
     hf_cfg, hf_layer, ours, cfg = layers
     lengths = (2, 4)
-    x = _inputs(4, 2, max(lengths))
+    x = normal_inputs(4, (2, max(lengths), HIDDEN))
     _, state = _prefill(ours, _j(x), DeltaNetState.zeros(2, cfg, jnp.float32), jnp.array(lengths))
     for row, length in enumerate(lengths):
         cache = DynamicCache(config=hf_cfg)

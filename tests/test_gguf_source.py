@@ -10,9 +10,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.gguf_source import GGUFSource
-from checkpoints_convert.source import open_source
+from mtp_jax.errors import ConversionError
+from mtp_jax.params.gguf_source import GGUFSource
+from mtp_jax.params.open_source import open_source
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 32, 4, 2, 64, 16

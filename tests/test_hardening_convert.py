@@ -19,12 +19,13 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import mtp_jax
-from checkpoints_convert import writer
 from checkpoints_convert.__main__ import main as convert_main
-from checkpoints_convert.export import save_hf_folder
-from mtp_jax import checkpoint, shapes
+from mtp_jax import shapes
 from mtp_jax.config import RopeConfig
+from mtp_jax.conversion import writer
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
+from mtp_jax.params.converted import read_converted_config
 from tests.tiny_models import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,7 +139,7 @@ def test_overwrite_killed_at_every_step_leaves_the_old_or_the_new_model(
 
 CHILD = """
 import os, signal, sys
-from checkpoints_convert import convert, writer
+from mtp_jax.conversion import convert, writer
 from checkpoints_convert.__main__ import main
 
 def interrupt(*args, **kwargs):
@@ -359,8 +360,8 @@ def test_a_bad_converted_config_is_one_line_naming_the_file_and_the_field(conver
 def test_every_config_reads_back_from_its_converted_file(name, tmp_path):
     cfg, path = shapes.shape(name), tmp_path / "mtp_jax_config.json"
     path.write_text(cfg.to_json())
-    assert checkpoint.read_converted_config(str(path)) == cfg
+    assert read_converted_config(str(path)) == cfg
     config = json.loads(cfg.to_json())
     del config["rope"], config["mtp"]  # fields with defaults may be left out
     path.write_text(json.dumps(config))
-    assert checkpoint.read_converted_config(str(path)) == cfg.replace(rope=RopeConfig(), mtp=None)
+    assert read_converted_config(str(path)) == cfg.replace(rope=RopeConfig(), mtp=None)

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.export import save_hf_folder
 from mtp_jax import checkpoint, speculative
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
 from mtp_jax.files import write_atomically
 from tests.tiny_models import tiny_config

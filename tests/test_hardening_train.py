@@ -9,11 +9,11 @@ import os
 
 import numpy as np
 import pytest
-import safetensors.numpy
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.export import save_hf_folder
+import mtp_jax.heads
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.errors import UserError
 from mtp_jax.heads import attach_head, save_head
 from mtp_jax.train_head import main as train_main
@@ -125,7 +125,7 @@ def test_save_head_replaces_a_head_whole_or_not_at_all(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device", path)
 
     other = mtp_jax.CausalLM(trunk.config, rngs=nnx.Rngs(7))
-    monkeypatch.setattr(safetensors.numpy, "save_file", save_file_then_fail)
+    monkeypatch.setattr(mtp_jax.heads, "save_file", save_file_then_fail)
     with pytest.raises(OSError, match="No space left"):
         save_head(other, str(folder))
     monkeypatch.undo()

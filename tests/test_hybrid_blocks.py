@@ -13,12 +13,13 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_35
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_35_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
-from checkpoints_convert import qwen_hybrid_layout as layout
 from mtp_jax.config import ModelConfig, MoeConfig, RopeConfig
+from mtp_jax.families import qwen_hybrid_layout as layout
 from mtp_jax.models.gated_attention import GatedAttention
 from mtp_jax.models.layers import rope_inverse_frequencies, rope_tables
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
 from mtp_jax.models.softmax_moe import SoftmaxMoE
+from tests.parity_helpers import normal_inputs, state_dict_numpy, to_numpy
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)
@@ -55,23 +56,15 @@ def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module.eval()
 
 
-def _sd(module: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {name: t.detach().numpy() for name, t in module.state_dict().items()}
-
-
-def _inputs(seed: int, batch: int, length: int, width: int) -> torch.Tensor:
-    return torch.from_numpy(np.random.default_rng(seed).normal(size=(batch, length, width)).astype(np.float32))
-
-
 def _close(ours, ref: torch.Tensor) -> None:
-    np.testing.assert_allclose(np.asarray(ours), ref.detach().numpy(), **TOL)
+    np.testing.assert_allclose(np.asarray(ours), to_numpy(ref), **TOL)
 
 
 def test_zero_centered_rms_norm():
     norm = _randomize(hf_next.Qwen3NextRMSNorm(16, eps=1e-6), 0)
     ours = ZeroCenteredRMSNorm(16, 1e-6)
-    ours.scale[...] = jnp.asarray(_sd(norm)["weight"])
-    x = _inputs(0, 2, 5, 16)
+    ours.scale[...] = jnp.asarray(state_dict_numpy(norm)["weight"])
+    x = normal_inputs(0, (2, 5, 16))
     with torch.no_grad():
         _close(ours(jnp.asarray(x.numpy())), norm(x))
 
@@ -92,7 +85,7 @@ def test_gated_attention(family):
     hf_attn = _randomize(attention_class(hf_cfg, layer_idx=0), 1)
     cfg = _ours_config(hf_cfg)
     assert cfg.rotary_dim == SHAPE["head_dim"] // 4
-    sd = _sd(hf_attn)
+    sd = state_dict_numpy(hf_attn)
     ours = GatedAttention(cfg, dtype=jnp.float32, rngs=None)
     q, gate = layout.gated_query(sd["q_proj.weight"], cfg.num_heads, cfg.head_dim)
     ours.q_proj[...], ours.gate_proj[...] = jnp.asarray(q), jnp.asarray(gate)
@@ -103,7 +96,7 @@ def test_gated_attention(family):
     ours.k_norm.scale[...] = jnp.asarray(sd["k_norm.weight"])
 
     batch, prompt, total, slots = 2, 9, 12, 16
-    x = _inputs(2, batch, total, SHAPE["hidden_size"])
+    x = normal_inputs(2, (batch, total, SHAPE["hidden_size"]))
     positions = torch.arange(total)[None].expand(batch, total)
     causal = torch.full((total, total), float("-inf")).triu(1)[None, None]
     with torch.no_grad():
@@ -144,7 +137,7 @@ def test_softmax_moe(family):
         norm_topk_prob=norm_topk_prob,
     )
     ours = SoftmaxMoE(_ours_config(hf_cfg, moe), dtype=jnp.float32, rngs=None)
-    sd = _sd(block)
+    sd = state_dict_numpy(block)
     gate, up, down = layout.fused_experts(sd["experts.gate_up_proj"], sd["experts.down_proj"])
     ours.expert_gate[...], ours.expert_up[...], ours.expert_down[...] = map(jnp.asarray, (gate, up, down))
     ours.router[...] = jnp.asarray(sd["gate.weight"].T)
@@ -152,7 +145,7 @@ def test_softmax_moe(family):
     for name in ("gate_proj", "up_proj", "down_proj"):
         getattr(ours.shared.mlp, name)[...] = jnp.asarray(sd[f"shared_expert.{name}.weight"].T)
 
-    x = _inputs(4, 2, 7, SHAPE["hidden_size"])
+    x = normal_inputs(4, (2, 7, SHAPE["hidden_size"]))
     with torch.no_grad():
         ref = block(x)
     _close(ours(jnp.asarray(x.numpy())), ref)

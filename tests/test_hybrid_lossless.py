@@ -13,11 +13,11 @@ import mtp_jax
 from mtp_jax.cache import GroupCache
 from mtp_jax.models.gated_deltanet import DeltaNetState
 from tests.hybrid_models import predictable_hybrid_model
+from tests.prompts import padded_prompts
 
 NEW_TOKENS = 200
 PROMPT_LENS = np.array([1, 7, 4, 10], np.int32)
-_raw = np.random.default_rng(0).integers(0, 24, (len(PROMPT_LENS), int(PROMPT_LENS.max())))
-PROMPTS = np.where(np.arange(_raw.shape[1]) < PROMPT_LENS[:, None], _raw, 0).astype(np.int32)
+PROMPTS = padded_prompts(0, PROMPT_LENS, 24)
 SEED = 6  # with PROMPTS: rows stop at EOS after 27, 21 and 1 tokens, one runs the full budget
 
 
@@ -63,8 +63,10 @@ def test_adaptive_draft_length_is_lossless(model, plain):
     np.testing.assert_array_equal(out.lengths, plain.lengths)
 
 
-def _deltanet_states(cache: GroupCache) -> list[DeltaNetState]:
-    return [entry for entry in cache.members if isinstance(entry, DeltaNetState)]
+def _deltanet_states(cache: tuple) -> list[DeltaNetState]:
+    """Every DeltaNet state of a trunk cache (a tuple of segment caches)."""
+    groups = [segment for segment in cache if isinstance(segment, GroupCache)]
+    return [entry for group in groups for entry in group.members if isinstance(entry, DeltaNetState)]
 
 
 def test_kept_state_after_a_verify_block_equals_prefill_state(model):

@@ -13,11 +13,14 @@ import pytest
 import torch
 
 import mtp_jax
-from checkpoints_convert.convert import abstract_params, plan_conversion
-from checkpoints_convert.hf_config import model_config_from_hf
-from checkpoints_convert.source import open_source
+from mtp_jax.conversion.convert import plan_conversion
+from mtp_jax.families.registry import model_config_from_hf
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK
+from mtp_jax.params.open_source import open_source
+from mtp_jax.params.tree import abstract_params
 from tests.hybrid_models import FAMILIES, TEXT, save_with_mtp_layer
+from tests.parity_helpers import hf_greedy
+from tests.prompts import random_tokens
 
 NEW_TOKENS = 24
 PROMPT_LENS = (5, 9)
@@ -58,13 +61,9 @@ def test_config_and_accounting(pair):
         assert fused and not set(fused) & set(names) and "mtp.layers.0.mlp.experts.0.gate_proj.weight" in plan.targets
 
 
-def _tokens(seed: int, shape) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, shape).astype(np.int32)
-
-
 def test_full_logits(pair):
     _, hf, model, _, _ = pair
-    ids = _tokens(0, (2, 12))
+    ids = random_tokens(0, (2, 12), VOCAB)
     with torch.no_grad():
         ref = hf(input_ids=torch.from_numpy(ids).long()).logits.numpy()
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
@@ -78,7 +77,7 @@ def test_logits_after_a_long_cache(pair):
     read the cache chunk by chunk, in place; against transformers' logits over the whole sequence."""
     _, hf, model, _, _ = pair
     prefix, block, slots = 290, 6, 2 * ATTENTION_CHUNK
-    ids = _tokens(2, (2, prefix + block))
+    ids = random_tokens(2, (2, prefix + block), VOCAB)
     with torch.no_grad():
         ref = hf(input_ids=torch.from_numpy(ids).long()).logits.numpy()[:, prefix:]
     cache = model.new_cache(2, slots)
@@ -92,14 +91,9 @@ def test_greedy_tokens(pair):
     """Right-padded prompts of different lengths, plain (and with 2 drafts from the converted MTP layer: its MoE
     experts per expert while the trunk's are fused), against transformers' greedy generate of each prompt alone."""
     family, hf, model, _, _ = pair
-    prompts = _tokens(1, (len(PROMPT_LENS), max(PROMPT_LENS)))
+    prompts = random_tokens(1, (len(PROMPT_LENS), max(PROMPT_LENS)), VOCAB)
     lens = np.array(PROMPT_LENS, np.int32)
-    expected = []
-    for row, n in enumerate(PROMPT_LENS):
-        prompt = torch.from_numpy(prompts[row : row + 1, :n]).long()
-        with torch.no_grad():
-            out = hf.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-        expected.append(out[0, n:].numpy())
+    expected = [hf_greedy(hf, prompts[row, :n], NEW_TOKENS) for row, n in enumerate(PROMPT_LENS)]
     for k in (0, 2) if family == "qwen3_5_moe_text" else (0,):
         cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=NEW_TOKENS, stop_on_eos=False)
         out = mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg)

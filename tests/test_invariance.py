@@ -63,8 +63,9 @@ def _prefill(model, ids, lens, invariant):
     (the MTP layer sees only the block)."""
     b, p = ids.shape
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-    _, cache = model.trunk(ids, positions, model.new_cache(b, SLOTS, invariant), lengths=lens)
-    return cache, model.new_mtp_cache(b, SLOTS, invariant)
+    attention = "invariant" if invariant else None
+    _, cache = model.trunk(ids, positions, model.new_cache(b, SLOTS, attention), lengths=lens)
+    return cache, model.new_mtp_cache(b, SLOTS, attention)
 
 
 @nnx.jit(static_argnames="recurrent")

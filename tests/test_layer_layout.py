@@ -18,6 +18,7 @@ from tiny_models import predictable_model
 import mtp_jax
 from mtp_jax import quant
 from mtp_jax.models.causal_lm import LayerStack, apply_layer_layout
+from tests.prompts import padded_prompts
 
 PROMPT_LENS = np.array([7, 2, 11, 5], np.int32)
 MODELS = {
@@ -28,8 +29,7 @@ MODELS = {
 
 
 def prompts_for(model) -> np.ndarray:
-    raw = np.random.default_rng(5).integers(0, model.config.vocab_size, (len(PROMPT_LENS), PROMPT_LENS.max()))
-    return np.where(np.arange(raw.shape[1]) < PROMPT_LENS[:, None], raw, 0).astype(np.int32)
+    return padded_prompts(5, PROMPT_LENS, model.config.vocab_size)
 
 
 def decode(model, prompts, k: int):
@@ -67,13 +67,13 @@ def test_unstacked_layers_decode_as_stacked(name):
 
 def test_layer_layout_choice():
     model = MODELS["gqa"]()
-    assert apply_layer_layout(model, "stacked") is model and not isinstance(model.layers.layers, nnx.List)
+    assert apply_layer_layout(model, "stacked") is model and not isinstance(model.segments[0].layers, nnx.List)
     expected = jax.default_backend() == "gpu"
-    assert isinstance(apply_layer_layout(MODELS["gqa"](), "auto").layers.layers, nnx.List) == expected
-    assert isinstance(apply_layer_layout(model, "unstacked").layers.layers, nnx.List)
+    assert isinstance(apply_layer_layout(MODELS["gqa"](), "auto").segments[0].layers, nnx.List) == expected
+    assert isinstance(apply_layer_layout(model, "unstacked").segments[0].layers, nnx.List)
     with pytest.raises(ValueError, match="layer layout"):
         apply_layer_layout(model, "rolled")
     # on TPU: stacked, unless the weights are quantized (their dequantization does not fuse with the layer slice)
-    assert not isinstance(apply_layer_layout(MODELS["gqa"](), "auto", "tpu").layers.layers, nnx.List)
+    assert not isinstance(apply_layer_layout(MODELS["gqa"](), "auto", "tpu").segments[0].layers, nnx.List)
     int8 = quant.quantize_model(MODELS["gqa"](), "int8")
-    assert isinstance(apply_layer_layout(int8, "auto", "tpu").layers.layers, nnx.List)
+    assert isinstance(apply_layer_layout(int8, "auto", "tpu").segments[0].layers, nnx.List)

@@ -1,12 +1,9 @@
-"""Greedy MTP decoding of the MoE families (configs/tiny: DeepSeek-V3 with MLA, GLM-4.5 with partial-rotary GQA)
+"""Greedy MTP decoding of the MoE families (tiny configs: DeepSeek-V3 with MLA, GLM-4.5 with partial-rotary GQA)
 gives exactly plain greedy's tokens, batch 4 of mixed prompt lengths, with drafts accepted and rejected: k = 1..3
 for DeepSeek (latent cache), k = 3 for GLM (its GQA cache rolls back as the dense families' do; each k is a
 compile)."""
 
 from __future__ import annotations
-
-import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +12,9 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.hf_config import model_config_from_hf
+from mtp_jax.families.registry import model_config_from_hf, tiny_configs
+from tests.prompts import padded_prompts
 
-CONFIGS = pathlib.Path(__file__).parent.parent / "configs" / "tiny"
 NEW_TOKENS = 24
 PROMPT_LENS = np.array([3, 9, 1, 6], np.int32)
 DRAFTS = {"deepseek_v3": (1, 2, 3), "glm4_moe": (3,)}
@@ -37,7 +34,7 @@ def _scale_outputs(layers, factor: float) -> None:
 def predictable_moe_model(family: str, seed: int = 0) -> mtp_jax.CausalLM:
     """A near-bigram trunk and an MTP head wired to apply the same bigram map to its input token (the embedding
     half of the fusion projection is the identity, its layer nearly silent), so drafts are often right."""
-    cfg = model_config_from_hf(json.loads((CONFIGS / f"{family}.json").read_text())).replace(eos_token_ids=())
+    cfg = model_config_from_hf(tiny_configs()[family]).replace(eos_token_ids=())
     model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(seed))
     for segment in model.segments:
         _scale_outputs(segment.layers, 0.3)
@@ -51,8 +48,7 @@ def predictable_moe_model(family: str, seed: int = 0) -> mtp_jax.CausalLM:
 @pytest.mark.parametrize("family", sorted(DRAFTS))
 def test_mtp_greedy_equals_plain_greedy(family):
     model = predictable_moe_model(family)
-    raw = np.random.default_rng(3).integers(0, model.config.vocab_size, (len(PROMPT_LENS), PROMPT_LENS.max()))
-    prompts = np.where(np.arange(raw.shape[1]) < PROMPT_LENS[:, None], raw, 0).astype(np.int32)
+    prompts = padded_prompts(3, PROMPT_LENS, model.config.vocab_size)
 
     def decode(k: int):
         cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=NEW_TOKENS)

@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 
 import mtp_jax
+from tests.prompts import padded_prompts
 from tests.tiny_models import predictable_model, tiny_config
 
 NEW_TOKENS = 60
 PROMPT_LENS = np.array([1, 7, 4, 10], np.int32)
-_raw = np.random.default_rng(0).integers(0, 24, (len(PROMPT_LENS), int(PROMPT_LENS.max())))
-PROMPTS = np.where(np.arange(_raw.shape[1]) < PROMPT_LENS[:, None], _raw, 0).astype(np.int32)
+PROMPTS = padded_prompts(0, PROMPT_LENS, 24)
 # Predictable-model seeds where, with PROMPTS, a row stops at EOS mid-batch and drafts are accepted at every depth.
 SEEDS = {"deepseek": 11, "mimo": 22}
 

@@ -3,22 +3,26 @@
 
 from __future__ import annotations
 
-import json
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from flax import nnx
 
-import mtp_jax
-from checkpoints_convert.hf_config import model_config_from_hf
+from mtp_jax.families.registry import model_config_from_hf
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK
 from mtp_jax.models.moe import DENSE_EXPERT_ROWS, MoE, routed_experts
 from tests.long_cache import check_logits_after_a_long_cache
 from tests.moe_models import FAMILIES, MOE_SHAPE, hf_config, random_hf_model
+from tests.parity_helpers import (
+    check_block_by_block,
+    check_full_logits,
+    check_greedy_batch,
+    decoder_layer,
+    hf_greedy,
+    save_and_load,
+)
+from tests.prompts import padded_prompts, random_tokens
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 LOGITS_LEN = 12
@@ -34,19 +38,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 def pair(request, tmp_path_factory):
     """(transformers model, our model loaded from its saved folder, the saved config.json dict)."""
     hf = random_hf_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(folder, safe_serialization=True)
-    with open(folder / "config.json") as f:
-        saved = json.load(f)
-    return hf, mtp_jax.load_model(str(folder), dtype=jnp.float32), saved
-
-
-def _tokens(seed: int, shape: tuple[int, ...]) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, shape).astype(np.int32)
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
+    model, saved = save_and_load(hf, tmp_path_factory.mktemp(request.param))
+    return hf, model, saved
 
 
 def test_config_maps(pair):
@@ -65,94 +58,23 @@ def test_config_maps(pair):
         assert cfg.rotary_dim == ref.head_dim // 2
 
 
-def _capture(hf) -> tuple[dict, list]:
-    """Hooks recording the embedding, rotary tables, every layer's and attention's input/output, the final norm."""
-    seen: dict = {"layer_in": {}, "layer_out": {}, "attn_in": {}, "attn_out": {}}
-    inner = hf.model
-    handles = [
-        inner.embed_tokens.register_forward_hook(lambda m, a, out: seen.__setitem__("embed", out)),
-        inner.rotary_emb.register_forward_hook(lambda m, a, out: seen.__setitem__("rope", out)),
-        inner.norm.register_forward_hook(lambda m, a, out: seen.update(norm_in=a[0], norm_out=out)),
-    ]
-    for i, layer in enumerate(inner.layers):
-        handles += [
-            layer.register_forward_pre_hook(lambda m, a, i=i: seen["layer_in"].__setitem__(i, a[0])),
-            layer.register_forward_hook(lambda m, a, out, i=i: seen["layer_out"].__setitem__(i, out)),
-            layer.self_attn.register_forward_pre_hook(
-                lambda m, a, kw, i=i: seen["attn_in"].__setitem__(i, kw["hidden_states"]), with_kwargs=True
-            ),
-            layer.self_attn.register_forward_hook(lambda m, a, out, i=i: seen["attn_out"].__setitem__(i, out[0])),
-        ]
-    return seen, handles
-
-
-def _layer(model, index: int):
-    """(our decoder layer `index`, its zero cache arrays for a batch of 3 and LOGITS_LEN slots)."""
-    for segment in model.segments:
-        if index < segment.num_layers:
-            graphdef, stacked = nnx.split(segment.layers)
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=index: a[i], stacked))
-            past = [leaf[index] for leaf in jax.tree.leaves(segment.new_cache(3, LOGITS_LEN, jnp.float32))]
-            return layer, past
-        index -= segment.num_layers
-    raise IndexError(index)
-
-
 def test_block_by_block(pair):
     """Each stage fed transformers' own input; MLA attention checked both absorbed and expanded."""
     hf, model, _ = pair
-    ids = _tokens(1, (3, LOGITS_LEN))
-    seen, handles = _capture(hf)
-    try:
-        with torch.no_grad():
-            logits = hf(torch.from_numpy(ids).long()).logits
-    finally:
-        for h in handles:
-            h.remove()
-    positions = jnp.broadcast_to(jnp.arange(LOGITS_LEN), ids.shape)
-    rope = model.rope(positions)
-    chex.assert_trees_all_close(model.embed_tokens(ids), _np(seen["embed"]), **TOL)
-    chex.assert_trees_all_close(tuple(a[:1] for a in rope), tuple(_np(t) for t in seen["rope"]), **TOL)
-    for i in range(model.config.num_layers):
-        layer, past = _layer(model, i)
-        out, *_ = layer(_np(seen["layer_in"][i]), positions, rope, *past)
-        chex.assert_trees_all_close(out, _np(seen["layer_out"][i]), **TOL, custom_message=f"layer {i}")
-        if model.config.mla is not None:
-            for absorb in (True, False):
-                attn, _ = layer.attn(_np(seen["attn_in"][i]), positions, rope, *past, absorb=absorb)
-                chex.assert_trees_all_close(attn, _np(seen["attn_out"][i]), **TOL, custom_message=f"absorb={absorb}")
-    chex.assert_trees_all_close(model.final_norm(_np(seen["norm_in"])), _np(seen["norm_out"]), **TOL)
-    chex.assert_trees_all_close(model.logits(_np(seen["norm_out"])), _np(logits), **TOL)
+    check_block_by_block(hf, model, random_tokens(1, (3, LOGITS_LEN), VOCAB), TOL)
 
 
 def test_full_logits(pair):
     hf, model, _ = pair
-    ids = _tokens(2, (3, LOGITS_LEN))
-    positions = jnp.broadcast_to(jnp.arange(LOGITS_LEN), ids.shape)
-    hidden, _ = model.trunk(ids, positions, model.new_cache(3, LOGITS_LEN))
-    with torch.no_grad():
-        reference = hf(torch.from_numpy(ids).long()).logits
-    chex.assert_trees_all_close(model.logits(hidden), _np(reference), **TOL)
+    check_full_logits(hf, model, random_tokens(2, (3, LOGITS_LEN), VOCAB), TOL)
 
 
 def test_greedy_tokens(pair):
     """3 right-padded prompts of different lengths in one batch; transformers runs each alone."""
     hf, model, _ = pair
-    width = max(PROMPT_LENS)
-    ids = _tokens(3, (len(PROMPT_LENS), width))
-    ids = np.where(np.arange(width) < np.asarray(PROMPT_LENS)[:, None], ids, 0)
-    references = []
-    for row, n in enumerate(PROMPT_LENS):
-        prompt = torch.from_numpy(ids[row : row + 1, :n]).long()
-        with torch.no_grad():
-            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                              max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        references.append(out[0, n:].tolist())
-    cfg = mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=NEW_TOKENS)
-    batch = mtp_jax.generate(model, ids, np.asarray(PROMPT_LENS), jax.random.key(0), cfg)
-    assert np.asarray(batch.lengths).tolist() == [NEW_TOKENS] * len(PROMPT_LENS)
-    for row, reference in enumerate(references):
-        assert np.asarray(batch.tokens[row]).tolist() == reference, f"row {row}"
+    ids = padded_prompts(3, PROMPT_LENS, VOCAB)
+    references = [hf_greedy(hf, ids[row, :n], NEW_TOKENS) for row, n in enumerate(PROMPT_LENS)]
+    check_greedy_batch(model, ids, PROMPT_LENS, references, NEW_TOKENS)
 
 
 def _mla_inputs(pair, slots: int, positions: jax.Array, seed: int):
@@ -161,7 +83,7 @@ def _mla_inputs(pair, slots: int, positions: jax.Array, seed: int):
     _, model, _ = pair
     if model.config.mla is None:
         pytest.skip("GQA family")
-    layer, _ = _layer(model, 1)
+    layer, _ = decoder_layer(model, 1, 3, LOGITS_LEN)
     key_x, key_past = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(key_x, (2, positions.shape[1], model.config.hidden_size))
     past = jax.random.normal(key_past, (2, slots, model.config.mla.latent_dim))
@@ -185,7 +107,7 @@ def test_logits_after_a_long_cache(pair):
     """Blocks over a cache of two attention chunks (tests/long_cache.py): the chunked pass of MLA (absorbed for the
     blocks, expanded for the prefill) or of GQA."""
     hf, model, _ = pair
-    check_logits_after_a_long_cache(hf, model, _tokens(4, (2, 300)))
+    check_logits_after_a_long_cache(hf, model, random_tokens(4, (2, 300), VOCAB))
 
 
 def test_mla_absorbed_equals_expanded_over_a_chunked_cache(pair):
@@ -195,7 +117,7 @@ def test_mla_absorbed_equals_expanded_over_a_chunked_cache(pair):
     layer, x, past, rope = _mla_inputs(pair, 2 * ATTENTION_CHUNK, positions, seed=1)
     one_pass, _ = layer.attn(x, positions, rope, past[:, :-16], absorb=True)
     for absorb in (True, False):
-        chunked, _ = layer.attn(x, positions, rope, past, absorb=absorb)
+        chunked, _ = layer.attn(x, positions, rope, past, absorb=absorb, attention="chunked")
         chex.assert_trees_all_close(chunked, one_pass, **TOL)
 
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.export import save_hf_folder
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
 from mtp_jax.sampling import SamplingParams, probabilities
 from tests.tiny_models import tiny_config

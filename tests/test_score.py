@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from checkpoints_convert.export import save_hf_folder
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.score import acceptance_counts, summarize, teacher_forced_predictions
 from mtp_jax.score import main as score_main
 from tests.tiny_models import predictable_model

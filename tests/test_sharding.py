@@ -16,10 +16,12 @@ import socket
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
-from checkpoints_convert.export import save_hf_folder
 from mtp_jax import decode, sharding
+from mtp_jax.conversion.export import save_hf_folder
 from tests.sharded_worker import (
     DRAFTS,
     EXPERT_RUNS,
@@ -362,8 +364,13 @@ def test_rules_refuse_collisions_and_unknown_axes():
         sharding.ShardingRules(mesh, head_dim="model")  # q_proj [D, N, H] would split N and H over `model`
     with pytest.raises(ValueError, match="lacks"):
         sharding.ShardingRules(mesh, batch="rows")
-    with pytest.raises(ValueError, match="no logical axes for parameter"):
-        sharding.param_axes(("layers", "layers", "attn", "new_proj"), 3)
+
+    class NewBlock(nnx.Module):  # a parameter created without its logical axes
+        def __init__(self):
+            self.new_proj = nnx.Param(jnp.zeros((4, 4)))
+
+    with pytest.raises(ValueError, match="parameter new_proj declares no logical axes"):
+        sharding.shard_model(NewBlock(), mesh)
 
 
 def test_cli_rejects_a_bad_mesh(tmp_path, capsys):

@@ -14,8 +14,8 @@ import safetensors.numpy
 from flax import nnx
 
 import mtp_jax
-from checkpoints_convert.export import save_hf_folder
 from mtp_jax.cache import KVCache
+from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
 from mtp_jax.score import acceptance_counts, teacher_forced_predictions
 from mtp_jax.train_head import main as train_main
@@ -52,7 +52,7 @@ def wire_head(model, select: str):
 
 
 def trunk_hidden_and_argmax(model, tokens):
-    cache = KVCache.zeros(model.config.num_layers, tokens.shape[0], 1, model.config, model.dtype)
+    cache = (KVCache.zeros(model.config.num_layers, tokens.shape[0], 1, model.config, model.dtype),)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     hidden, _ = model.trunk(tokens, positions, cache)
     return hidden, np.asarray(jnp.argmax(model.logits(hidden), -1))

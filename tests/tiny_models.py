@@ -33,7 +33,7 @@ def predictable_model(
     to apply the same bigram map to its input token, so drafts are mostly, not always, right. `cfg`: another
     shape than `tiny_config(layout)` (same layout)."""
     model = mtp_jax.CausalLM(cfg or tiny_config(layout), rngs=nnx.Rngs(seed))
-    layers = model.layers.layers
+    layers = model.segments[0].layers
     layers.attn.o_proj[...] = layers.attn.o_proj[...] * context_scale
     layers.mlp.down_proj[...] = layers.mlp.down_proj[...] * context_scale
     d = model.config.hidden_size

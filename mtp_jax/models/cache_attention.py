@@ -1,11 +1,12 @@
 """Attention of a block of queries over a fixed-shape cache (slot = absolute position) and, causally, over the block
 itself, with one softmax over both.
 
-A cache is sized for the longest sequence a call may reach, so early in a long generation most of it is empty. When
-the cache is a whole number (> 1) of ATTENTION_CHUNK slots (mtp_jax.speculative.cache_slots sizes long decodes so),
-attention runs over it chunk by chunk with an online softmax (`attend_in_chunks`: grouped-query attention here, latent
+A cache is sized for the longest sequence a call may reach, so early in a long generation most of it is empty. A
+cache says how it is attended (its static `attention` field, one of ATTENTION_FORMS, chosen when it is made:
+mtp_jax.speculative.decode_attention for decoding). "chunked" (a cache of whole ATTENTION_CHUNK slots): attention
+runs over it chunk by chunk with an online softmax (`attend_in_chunks`: grouped-query attention here, latent
 attention in mla.py) and skips every chunk past the slots any row can see: its cost follows the longest row's length,
-not the cache's size. Other caches take one pass over all slots.
+not the cache's size. "one_pass": one pass over all slots.
 
 On a mesh, a long cache whose head axis cannot take `model` (fewer kv heads than `model` shards, or MLA's latents with
 no head axis) is split over its slots instead (mtp_jax.sharding.ShardingRules.cache_spec): M shards of S/M slots,
@@ -14,7 +15,7 @@ M * B rows (row b of shard m at m * B + b: the per-row arithmetic is the unshard
 softmax, and merges the M partial softmaxes once at the end: the only reduction across shards, over [B, T, heads, ...].
 Queries are whole on every device for it; the output goes back to heads over `model`.
 
-Batch-invariant decoding (DecodeConfig.invariant; the cache says so: KVCache.invariant) takes another form,
+Batch-invariant decoding (DecodeConfig.invariant; the cache's form "invariant") takes another form,
 `attend_written_cache`: the block's own keys and values are laid into the chunks where the cache will hold them
 (`with_block`) and every query attends chunk by chunk to the slots up to its own position, so its sums never depend
 on how many queries, rows or chunks the pass has. The default form attends the cache and the block as two parts, and
@@ -35,6 +36,7 @@ from mtp_jax.models.rowwise import row_sum
 from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
+ATTENTION_FORMS = ("one_pass", "chunked", "invariant")  # how a cache is attended (module docstring)
 
 
 @struct.dataclass
@@ -91,9 +93,21 @@ def _shard_major(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def chunk_count(slots: int) -> int:
-    """Chunks of a cache of `slots` slots for the chunked pass; 0 when it takes the one-pass path."""
-    return slots // ATTENTION_CHUNK if slots > ATTENTION_CHUNK and slots % ATTENTION_CHUNK == 0 else 0
+def default_attention(slots: int) -> str:
+    """The form a cache of `slots` slots is attended in when its maker does not say: chunked when it is more than one
+    whole chunk, one pass otherwise."""
+    return "chunked" if slots > ATTENTION_CHUNK and slots % ATTENTION_CHUNK == 0 else "one_pass"
+
+
+def checked_attention(attention: str | None, slots: int) -> str:
+    """The form of a new cache of `slots` slots: `attention`, or `default_attention(slots)` when None; an unknown form,
+    or a chunked or invariant one over a cache that is not whole chunks, is refused."""
+    attention = attention or default_attention(slots)
+    if attention not in ATTENTION_FORMS:
+        raise ValueError(f"unknown attention form {attention!r}; known: {', '.join(ATTENTION_FORMS)}")
+    if attention != "one_pass" and slots % ATTENTION_CHUNK:
+        raise ValueError(f"{attention} attention reads whole chunks of {ATTENTION_CHUNK} slots, not a cache of {slots}")
+    return attention
 
 
 def visible_slots(slots: int, positions: jax.Array, visible_from: jax.Array | None, first: int | jax.Array = 0):
@@ -134,12 +148,13 @@ def grouped_attention(
     past_k: jax.Array | LayerSlots,  # [B, S, K, H] the cache; slots >= positions[:, 0] are ignored
     past_v: jax.Array | LayerSlots,  # [B, S, K, H]
     visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-    invariant: bool = False,
+    attention: str = "one_pass",  # the cache's form (ATTENTION_FORMS)
 ) -> jax.Array:
     """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
-    block itself (one softmax over both, float32); chunk by chunk over a cache of whole chunks (`chunk_count`),
-    shard by shard over one split over its slots. `invariant`: the batch-invariant form (`attend_written_cache`),
-    which needs a cache of whole chunks on every shard."""
+    block itself (one softmax over both, float32); chunk by chunk when the cache's form is "chunked", shard by shard
+    over one split over its slots; "invariant": the batch-invariant form (`attend_written_cache`), which needs a
+    cache of whole chunks on every shard."""
+    invariant = attention == "invariant"
     b, t, n, h = q.shape
     slots = past_k.shape[1]
     shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
@@ -147,7 +162,7 @@ def grouped_attention(
         q = constrain(q, WHOLE_HEADS)
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
     f32 = jnp.float32
-    if invariant or chunk_count(slots):
+    if attention != "one_pass":
         q_rows = jnp.tile(q, (shards, 1, 1, 1, 1))  # [M * B, T, K, G, H]: each row's queries beside each shard
         run_starts = whole_chunk_runs(slots, shards) if invariant else None
         entries = (k.astype(past_k.dtype), v.astype(past_v.dtype))  # as the cache will hold them
@@ -196,7 +211,7 @@ def two_rows(x: jax.Array) -> jax.Array:
 
 def whole_chunk_runs(slots: int, shards: int) -> jax.Array:
     """[M] the first slot of each of the `shards` runs of a cache that the batch-invariant form reads; an error
-    unless every run is whole chunks (mtp_jax.speculative.cache_slots sizes invariant decodes so)."""
+    unless every run is whole chunks (mtp_jax.cache.cache_slots sizes invariant decodes so)."""
     if slots % (shards * ATTENTION_CHUNK):
         raise ValueError(
             f"batch-invariant attention reads whole chunks of {ATTENTION_CHUNK} slots on each of {shards} shard(s); "

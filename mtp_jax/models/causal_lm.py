@@ -3,8 +3,8 @@
 The trunk is a sequence of segments (`ModelConfig.segments()`): runs of consecutive layers of one kind (GQA, latent
 or gated attention; dense or routed-expert MLP), each one stacked and scanned, each with its own cache; in hybrid
 trunks, repeated groups of gated DeltaNet and gated attention layers (models/hybrid_stack.py), whose cache also
-holds recurrent states. A trunk of one segment (every dense family) takes and returns that segment's cache itself;
-several segments, a tuple of caches.
+holds recurrent states. The trunk cache is always a tuple of the segments' caches (one entry for every dense
+family).
 
 Forward passes are pure: caches go in and come out; parameters are read only. The decode loop splits a model
 into (graphdef, params) and merges it inside jit.
@@ -19,16 +19,13 @@ from flax import nnx
 from mtp_jax.cache import GroupCache, attention_cache, write_slots
 from mtp_jax.config import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
 from mtp_jax.models import loops
+from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import LayerSlots
-from mtp_jax.models.gated_attention import GatedAttention
-from mtp_jax.models.hybrid_stack import MLP_BLOCKS, GroupStack
-from mtp_jax.models.layers import Attention, DecoderLayer, _init, model_norm, rope_inverse_frequencies, rope_tables
-from mtp_jax.models.mla import MultiHeadLatentAttention
+from mtp_jax.models.hybrid_stack import GroupStack
+from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.rowwise import project
 from mtp_jax.quant import is_quantized
-from mtp_jax.sharding import HIDDEN, LOGITS, constrain
-
-ATTENTION_BLOCKS = {"gqa": Attention, "mla": MultiHeadLatentAttention, "gated": GatedAttention}
+from mtp_jax.sharding import HIDDEN, LOGITS, constrain, param_layouts
 
 
 class LayerStack(nnx.Module):
@@ -56,9 +53,9 @@ class LayerStack(nnx.Module):
         if not isinstance(self.layers, nnx.List):
             self.layers = nnx.List(loops.unstacked_modules(self.layers, self.num_layers))
 
-    def new_cache(self, batch: int, slots: int, dtype, invariant: bool = False):
+    def new_cache(self, batch: int, slots: int, dtype, attention: str | None = None):
         """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
-        return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype, invariant)
+        return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype, attention)
 
     def __call__(self, x, positions, rope, cache, lengths=None, recurrent: str = "chunked", visible_from=None):
         """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`).
@@ -68,7 +65,7 @@ class LayerStack(nnx.Module):
 
         def run(layer, x, index):
             layer_past = [LayerSlots(entries, index) for entries in past]  # read in place, not copied per layer
-            x, *new = layer(x, positions, rope, *layer_past, visible_from=visible_from, invariant=cache.invariant)
+            x, *new = layer(x, positions, rope, *layer_past, visible_from=visible_from, attention=cache.attention)
             return x, tuple(new)
 
         if isinstance(self.layers, nnx.List):  # unstacked (`unstack_layers`): one call per layer, in order
@@ -95,12 +92,16 @@ class MtpModule(nnx.Module):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.token_norm = model_norm(cfg, d, dtype=dtype)
         self.hidden_norm = model_norm(cfg, d, dtype=dtype)
-        self.proj = nnx.Param(_init(rngs, (2 * d, d), dtype, 2 * d))  # [2D, D]
+        self.proj = nnx.Param(
+            init_weight(rngs, (2 * d, d), dtype, 2 * d), axes=(None, "embed")
+        )  # [2D, D]: fused [e, h]
         self.block = LayerStack(cfg, cfg.mtp.block_layers, kind=cfg.mtp_layer_kind, dtype=dtype, rngs=rngs)
         self.final_norm = model_norm(cfg, d, dtype=dtype)
         self.hidden_first = cfg.mtp.concat_hidden_first
-        self.embed = nnx.Param(_init(rngs, (v, d), dtype, 1)) if cfg.mtp.own_embedding else None  # VD
-        self.head = nnx.Param(_init(rngs, (d, v), dtype, d)) if cfg.mtp.own_head else None  # DV
+        embed = init_weight(rngs, (v, d), dtype, 1) if cfg.mtp.own_embedding else None
+        head = init_weight(rngs, (d, v), dtype, d) if cfg.mtp.own_head else None
+        self.embed = None if embed is None else nnx.Param(embed, axes=("vocab", "embed"))  # VD
+        self.head = None if head is None else nnx.Param(head, axes=("embed", "vocab"))  # DV
 
     def __call__(
         self,
@@ -130,13 +131,15 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.config = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
-        self.embed = nnx.Param(_init(rngs, (v, d), dtype, 1))  # VD
+        self.embed = nnx.Param(init_weight(rngs, (v, d), dtype, 1), axes=("vocab", "embed"))  # VD
         self.segments = nnx.List([_segment_stack(cfg, s, dtype, rngs) for s in cfg.segments()])
         self.final_norm = model_norm(cfg, d, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(_init(rngs, (d, v), dtype, d))  # DV
+        head = None if cfg.tie_word_embeddings else init_weight(rngs, (d, v), dtype, d)
+        self.lm_head = None if head is None else nnx.Param(head, axes=("embed", "vocab"))  # DV
         self.mtp = MtpModule(cfg, dtype=dtype, rngs=rngs) if cfg.has_mtp else None
         if cfg.has_mtp and cfg.mtp.draft_vocab_size:
-            self.draft_vocab = nnx.Variable(jnp.arange(cfg.mtp.draft_vocab_size, dtype=jnp.int32))  # [Vd]
+            ids = jnp.arange(cfg.mtp.draft_vocab_size, dtype=jnp.int32)
+            self.draft_vocab = nnx.Variable(ids, axes=(None,))  # [Vd]: a few thousand token ids, kept whole
         else:
             self.draft_vocab = None
         self.sharding_rules = None  # mtp_jax.sharding.ShardingRules of a model placed on a mesh
@@ -145,24 +148,16 @@ class CausalLM(nnx.Module):
     def dtype(self):
         return self.embed.dtype
 
-    @property
-    def layers(self) -> LayerStack:
-        """The trunk's layer stack, when the trunk is one segment (every dense family)."""
-        if len(self.segments) != 1:
-            raise AttributeError(f"this trunk has {len(self.segments)} segments; use `segments`")
-        return self.segments[0]
-
-    def new_cache(self, batch: int, slots: int, invariant: bool = False):
+    def new_cache(self, batch: int, slots: int, attention: str | None = None):
         """An empty trunk cache in the model's dtype, per segment: KVCache [L, B, S, K, H] keys and values (GQA) or
-        LatentCache [L, B, S, C] (MLA), or a GroupCache (hybrid layer groups: keys and values, DeltaNet states); a
-        tuple of them when the trunk has several segments. `invariant`: attended in the batch-invariant form, which
-        needs `slots` in whole chunks (mtp_jax.speculative.cache_slots)."""
-        caches = tuple(segment.new_cache(batch, slots, self.dtype, invariant) for segment in self.segments)
-        return caches[0] if len(caches) == 1 else caches
+        LatentCache [L, B, S, C] (MLA), or a GroupCache (hybrid layer groups: keys and values, DeltaNet states), one per
+        segment in a tuple. `attention`: the attention caches' form
+        (models/cache_attention.py: ATTENTION_FORMS; None: `default_attention(slots)`)."""
+        return tuple(segment.new_cache(batch, slots, self.dtype, attention) for segment in self.segments)
 
-    def new_mtp_cache(self, batch: int, slots: int, invariant: bool = False):
+    def new_mtp_cache(self, batch: int, slots: int, attention: str | None = None):
         """An empty MTP-block cache: KVCache [L, B, S, K, H] or LatentCache [L, B, S, C], L = `mtp.block_layers`."""
-        return self.mtp.block.new_cache(batch, slots, self.dtype, invariant)
+        return self.mtp.block.new_cache(batch, slots, self.dtype, attention)
 
     def rope(self, positions: jax.Array):
         cfg = self.config
@@ -187,13 +182,12 @@ class CausalLM(nnx.Module):
         Attention caches ignore both (they roll back by length)."""
         with jax.named_scope("trunk"):
             x, rope = self.embed_tokens(tokens), self.rope(positions)
-            caches = (cache,) if len(self.segments) == 1 else cache
             updated = []
-            for i, (segment, segment_cache) in enumerate(zip(self.segments, caches, strict=True)):
+            for i, (segment, segment_cache) in enumerate(zip(self.segments, cache, strict=True)):
                 with jax.named_scope(f"segment_{i}"):
                     x, segment_cache = segment(x, positions, rope, segment_cache, lengths, recurrent)
                 updated.append(segment_cache)
-            return self.final_norm(x), (updated[0] if len(updated) == 1 else tuple(updated))
+            return self.final_norm(x), tuple(updated)
 
     def keep_verified(self, before, after, accepted: jax.Array, active: jax.Array):
         """The trunk cache after a verify block run with recurrent="every_state": recurrent states as after block
@@ -201,12 +195,10 @@ class CausalLM(nnx.Module):
         `after`."""
         if not self.config.is_hybrid:
             return after
-        pairs = [(before, after)] if len(self.segments) == 1 else list(zip(before, after, strict=True))
-        kept = [
+        return tuple(
             new.keep_verified(old, accepted, active).constrained() if isinstance(new, GroupCache) else new
-            for old, new in pairs
-        ]
-        return kept[0] if len(kept) == 1 else tuple(kept)
+            for old, new in zip(before, after, strict=True)
+        )
 
     def head_weights(self) -> jax.Array:  # [D, V]
         return self.embed[...].T if self.lm_head is None else self.lm_head[...]
@@ -260,6 +252,12 @@ class CausalLM(nnx.Module):
                 embeds = constrain(jnp.take(self.mtp.embed[...], next_tokens, axis=0), HIDDEN)
             raw, normed, cache = self.mtp(hidden, embeds, positions, self.rope(positions), cache, visible_from)
             return (normed if self.config.mtp.recurse_normed else raw), normed, cache
+
+
+def model_param_axes(cfg: ModelConfig, dtype) -> dict[tuple[str, ...], tuple[str | None, ...]]:
+    """Every parameter's logical axes as its module declares them (`sharding.param_axes`), by state path, for the
+    model of `cfg` (stacked layers), without allocating it."""
+    return param_layouts(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype)))
 
 
 def unstack_layers(model: CausalLM) -> CausalLM:

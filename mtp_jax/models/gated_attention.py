@@ -5,38 +5,28 @@ also yields a per-head output gate, with zero-centred q/k RMSNorm and (partial) 
     out = (softmax(q k^T / sqrt(H)) v * sigmoid(gate)) Wo
 
 The checkpoints store q_proj as [N * 2H, D], each head's query rows followed by its gate rows; the converter
-splits them into q_proj and gate_proj (checkpoints_convert/qwen_hybrid_layout.py: `gated_query`).
+splits them into q_proj and gate_proj (mtp_jax/families/qwen_hybrid_layout.py: `gated_query`).
 
 Einsum letters: those of layers.py.
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.cache_attention import grouped_attention
-from mtp_jax.models.layers import _init, apply_rope
-from mtp_jax.models.norms import ZeroCenteredRMSNorm
+from mtp_jax.models.layers import Attention, apply_rope
 from mtp_jax.models.rowwise import project
 
 
-class GatedAttention(nnx.Module):
-    """Qwen3-Next / Qwen3.5 full attention over a fixed-shape cache (same cache and call as layers.Attention)."""
+class GatedAttention(Attention):
+    """Qwen3-Next / Qwen3.5 full attention over a fixed-shape cache (same cache and call as layers.Attention, whose
+    projections it holds, with the output gate `gate_proj`)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
-        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nnx.Param(_init(rngs, (d, n, h), dtype, d))  # DNH
-        self.gate_proj = nnx.Param(_init(rngs, (d, n, h), dtype, d))  # DNH
-        self.k_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
-        self.v_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
-        self.o_proj = nnx.Param(_init(rngs, (n, h, d), dtype, n * h))  # NHD
-        self.q_norm = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = ZeroCenteredRMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
-        self.scale = 1.0 / math.sqrt(h)
+        super().__init__(cfg, dtype=dtype, rngs=rngs, gated=True)
 
     def __call__(
         self,
@@ -46,7 +36,7 @@ class GatedAttention(nnx.Module):
         past_k: jax.Array,  # [B, S, K, H]
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-        invariant: bool = False,  # the batch-invariant form of attention (models/cache_attention.py)
+        attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         with jax.named_scope("gated_attention"):
@@ -54,6 +44,6 @@ class GatedAttention(nnx.Module):
             k = self.k_norm(project("BTD,DKH->BTKH", x, self.k_proj[...]))
             v = project("BTD,DKH->BTKH", x, self.v_proj[...])
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, invariant)
+            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, attention)
             out = out * jax.nn.sigmoid(project("BTD,DNH->BTNH", x, self.gate_proj[...]))
             return project("BTNH,NHD->BTD", out, self.o_proj[...]), k, v

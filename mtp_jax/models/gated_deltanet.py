@@ -28,7 +28,7 @@ from flax import nnx, struct
 
 from mtp_jax.config import GatedDeltaNetConfig
 from mtp_jax.models import loops
-from mtp_jax.models.layers import _init
+from mtp_jax.models.layers import init_weight
 from mtp_jax.models.norms import GatedRMSNorm
 from mtp_jax.models.rowwise import project, row_sum
 
@@ -199,20 +199,23 @@ def chunked_delta_rule(
 class GatedDeltaNet(nnx.Module):
     """The gated DeltaNet token mixer (HF: `linear_attn`), in the canonical parameter layout: the checkpoints'
     fused or split input projections are reordered into it on conversion
-    (checkpoints_convert/qwen_hybrid_layout.py)."""
+    (mtp_jax/families/qwen_hybrid_layout.py)."""
 
     def __init__(self, cfg: GatedDeltaNetConfig, hidden_size: int, *, dtype, rngs: nnx.Rngs | None):
         d, c, n, y = hidden_size, cfg.conv_dim, cfg.num_value_heads, cfg.value_head_dim
         self.cfg = cfg
-        self.in_proj_qkv = nnx.Param(_init(rngs, (d, c), dtype, d))  # DC
-        self.in_proj_z = nnx.Param(_init(rngs, (d, n, y), dtype, d))  # DNY
-        self.in_proj_b = nnx.Param(_init(rngs, (d, n), dtype, d))  # DN
-        self.in_proj_a = nnx.Param(_init(rngs, (d, n), dtype, d))  # DN
-        self.conv = nnx.Param(_init(rngs, (cfg.conv_kernel, c), dtype, cfg.conv_kernel))  # WC
-        self.dt_bias = nnx.Param(jnp.ones((n,), dtype))  # [N]
-        self.A_log = nnx.Param(jnp.zeros((n,), dtype))  # [N] decay rate log(A)
+        # the q, k, v channel projection is split like an MLP width (the short conv then gathers the step's
+        # [B, T, C] channels, which the conv state and weight keep whole); the per-value-head ones over heads
+        self.in_proj_qkv = nnx.Param(init_weight(rngs, (d, c), dtype, d), axes=("embed", "mlp"))  # DC
+        self.in_proj_z = nnx.Param(init_weight(rngs, (d, n, y), dtype, d), axes=("embed", "heads", None))  # DNY
+        self.in_proj_b = nnx.Param(init_weight(rngs, (d, n), dtype, d), axes=("embed", "heads"))  # DN
+        self.in_proj_a = nnx.Param(init_weight(rngs, (d, n), dtype, d), axes=("embed", "heads"))  # DN
+        conv = init_weight(rngs, (cfg.conv_kernel, c), dtype, cfg.conv_kernel)
+        self.conv = nnx.Param(conv, axes=(None, None))  # WC
+        self.dt_bias = nnx.Param(jnp.ones((n,), dtype), axes=("heads",))  # [N]
+        self.A_log = nnx.Param(jnp.zeros((n,), dtype), axes=("heads",))  # [N] decay rate log(A)
         self.norm = GatedRMSNorm(y, cfg.norm_eps, dtype=dtype)
-        self.out_proj = nnx.Param(_init(rngs, (n, y, d), dtype, n * y))  # NYD
+        self.out_proj = nnx.Param(init_weight(rngs, (n, y, d), dtype, n * y), axes=("heads", None, "embed"))  # NYD
 
     def _rule_inputs(self, x: jax.Array, state: DeltaNetState):
         """x [B, T, D] -> (q, k, v, g, beta float32 as the delta rule takes them, z [B, T, N, Y], conv window)."""

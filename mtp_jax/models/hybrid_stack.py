@@ -18,16 +18,13 @@ from flax import nnx
 from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
 from mtp_jax.config import LayerKind, ModelConfig
 from mtp_jax.models import loops
-from mtp_jax.models.cache_attention import LayerSlots
-from mtp_jax.models.gated_attention import GatedAttention
+from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
+from mtp_jax.models.cache_attention import LayerSlots, checked_attention
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
-from mtp_jax.models.layers import DecoderLayer, SwiGLU, model_norm
-from mtp_jax.models.moe import MoE
-from mtp_jax.models.softmax_moe import SoftmaxMoE
+from mtp_jax.models.layers import DecoderLayer, model_norm
 from mtp_jax.sharding import HIDDEN, constrain
 
 RECURRENT_FORMS = ("chunked", "every_state", "last_state")
-MLP_BLOCKS = {"dense": SwiGLU, "moe": MoE, "softmax_moe": SoftmaxMoE}
 
 
 class DeltaNetLayer(nnx.Module):
@@ -77,7 +74,7 @@ def _make_layer(cfg: ModelConfig, kind: LayerKind, dtype):
         return lambda rngs: DeltaNetLayer(cfg, dtype=dtype, rngs=rngs, mlp=mlp)
     if kind.attention != "gated":
         raise ValueError(f"a hybrid layer group holds gated DeltaNet and gated attention layers, not {kind.attention}")
-    return lambda rngs: DecoderLayer(cfg, dtype=dtype, rngs=rngs, attention=GatedAttention, mlp=mlp)
+    return lambda rngs: DecoderLayer(cfg, dtype=dtype, rngs=rngs, attention=ATTENTION_BLOCKS["gated"], mlp=mlp)
 
 
 class GroupStack(nnx.Module):
@@ -95,15 +92,17 @@ class GroupStack(nnx.Module):
                 [nnx.List(loops.unstacked_modules(member, self.repeats)) for member in self.members]
             )
 
-    def new_cache(self, batch: int, slots: int, dtype, invariant: bool = False) -> GroupCache:
-        """Empty caches: KVCache [R, B, S, K, H] per attention layer, zero DeltaNetStates [R, B, ...] per DeltaNet."""
+    def new_cache(self, batch: int, slots: int, dtype, attention: str | None = None) -> GroupCache:
+        """Empty caches: KVCache [R, B, S, K, H] per attention layer (attended in form `attention`), zero
+        DeltaNetStates [R, B, ...] per DeltaNet."""
+        attention = checked_attention(attention, slots)
         members = tuple(
             deltanet_states(self.repeats, batch, self.config, dtype)
             if kind.attention == "deltanet"
-            else KVCache.zeros(self.repeats, batch, slots, self.config, dtype, invariant)
+            else KVCache.zeros(self.repeats, batch, slots, self.config, dtype, attention)
             for kind in self.kinds
         )
-        return GroupCache(members=members).constrained()
+        return GroupCache(members=members, attention=attention).constrained()
 
     def __call__(self, x, positions, rope, cache: GroupCache, lengths=None, recurrent: str = "chunked"):
         """x [B, T, D] through every repeat of the group; returns (x, the cache after these tokens: attention entries
@@ -111,7 +110,7 @@ class GroupStack(nnx.Module):
         if recurrent not in RECURRENT_FORMS:
             raise ValueError(f"recurrent form {recurrent!r}: expected one of {', '.join(RECURRENT_FORMS)}")
         past = cache.constrained().members
-        invariant = cache.invariant
+        attention = cache.attention
         # DeltaNet states are scanned over (each repeat reads its whole state); attention caches are read in place.
         deltanet = [kind.attention == "deltanet" for kind in self.kinds]
         states = tuple(entry if is_deltanet else None for is_deltanet, entry in zip(deltanet, past, strict=True))
@@ -121,11 +120,11 @@ class GroupStack(nnx.Module):
             for j, (kind, layer) in enumerate(zip(self.kinds, layers, strict=True)):
                 with jax.named_scope(f"layer_{j}"):
                     if kind.attention == "deltanet":
-                        x, state = layer(x, repeat_states[j], lengths, recurrent, invariant)
+                        x, state = layer(x, repeat_states[j], lengths, recurrent, attention == "invariant")
                         new.append(state)
                     else:
                         keys, values = LayerSlots(past[j].k, repeat), LayerSlots(past[j].v, repeat)
-                        x, k, v = layer(x, positions, rope, keys, values, invariant=invariant)
+                        x, k, v = layer(x, positions, rope, keys, values, attention=attention)
                         new.append((k, v))
             return x, tuple(new)
 
@@ -149,5 +148,5 @@ class GroupStack(nnx.Module):
             else:
                 k, v = entry
                 members.append(old.replace(k=write_slots(old.k, k, positions), v=write_slots(old.v, v, positions)))
-        updated = GroupCache(members=tuple(members))
+        updated = GroupCache(members=tuple(members), attention=cache.attention)
         return x, (updated if recurrent == "every_state" else updated.constrained())

@@ -20,7 +20,8 @@ from mtp_jax.models.rowwise import project, row_sum
 from mtp_jax.sharding import HIDDEN, constrain
 
 
-def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
+def init_weight(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
+    """A weight of `shape` drawn from N(0, 1 / fan_in) (zeros without `rngs`: a model to be filled by a loader)."""
     if rngs is None:
         return jnp.zeros(shape, dtype)
     return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
@@ -29,8 +30,8 @@ def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, fan_in: int) -> 
 class RMSNorm(nnx.Module):
     """x / rms(x) * w, computed in float32, the weight applied after casting back (as the HF reference)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, axes: tuple[str | None, ...] = ("embed",)):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=axes)  # [dim]; `axes`: its logical axis
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -106,22 +107,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool =
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with optional qkv/o bias and per-head q/k RMSNorm, over a fixed-shape cache."""
+    """Grouped-query attention with optional qkv/o bias and per-head q/k RMSNorm, over a fixed-shape cache.
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+    `gated` (models/gated_attention.py's GatedAttention) adds an output gate `gate_proj` laid out as the query,
+    takes zero-centred q/k norms and no biases."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, gated: bool = False):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nnx.Param(_init(rngs, (d, n, h), dtype, d))  # DNH
-        self.k_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
-        self.v_proj = nnx.Param(_init(rngs, (d, k, h), dtype, d))  # DKH
-        self.o_proj = nnx.Param(_init(rngs, (n, h, d), dtype, n * h))  # NHD
-        if cfg.qkv_bias:
-            self.q_bias = nnx.Param(_init(rngs, (n, h), dtype, 1))
-            self.k_bias = nnx.Param(_init(rngs, (k, h), dtype, 1))
-            self.v_bias = nnx.Param(_init(rngs, (k, h), dtype, 1))
-        self.o_bias = nnx.Param(_init(rngs, (d,), dtype, 1)) if cfg.o_bias else None
-        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
-        self.has_qkv_bias = cfg.qkv_bias
+        query, kv = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.q_proj = nnx.Param(init_weight(rngs, (d, n, h), dtype, d), axes=query)  # DNH
+        self.gate_proj = nnx.Param(init_weight(rngs, (d, n, h), dtype, d), axes=query) if gated else None  # DNH
+        self.k_proj = nnx.Param(init_weight(rngs, (d, k, h), dtype, d), axes=kv)  # DKH
+        self.v_proj = nnx.Param(init_weight(rngs, (d, k, h), dtype, d), axes=kv)  # DKH
+        self.o_proj = nnx.Param(init_weight(rngs, (n, h, d), dtype, n * h), axes=("heads", "head_dim", "embed"))  # NHD
+        self.has_qkv_bias = cfg.qkv_bias and not gated
+        if self.has_qkv_bias:
+            self.q_bias = nnx.Param(init_weight(rngs, (n, h), dtype, 1), axes=("heads", "head_dim"))  # NH
+            self.k_bias = nnx.Param(init_weight(rngs, (k, h), dtype, 1), axes=("kv_heads", "head_dim"))  # KH
+            self.v_bias = nnx.Param(init_weight(rngs, (k, h), dtype, 1), axes=("kv_heads", "head_dim"))  # KH
+        with_o_bias = cfg.o_bias and not gated
+        self.o_bias = nnx.Param(init_weight(rngs, (d,), dtype, 1), axes=("embed",)) if with_o_bias else None  # D
+        norm = ZeroCenteredRMSNorm if gated else RMSNorm if cfg.qk_norm else None
+        self.q_norm = None if norm is None else norm(h, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
+        self.k_norm = None if norm is None else norm(h, cfg.rms_norm_eps, dtype=dtype, axes=("head_dim",))
         self.scale = 1.0 / math.sqrt(h)
 
     def __call__(
@@ -132,7 +140,7 @@ class Attention(nnx.Module):
         past_k: jax.Array,  # [B, S, K, H] this layer's cache; slots >= positions[:, 0] are ignored
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-        invariant: bool = False,  # the batch-invariant form of attention (models/cache_attention.py)
+        attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         q = project("BTD,DNH->BTNH", x, self.q_proj[...])
@@ -146,7 +154,7 @@ class Attention(nnx.Module):
 
         # Attend to the cache before this block (rollback is by length: later slots are stale) and, causally,
         # to the block itself; one softmax over both.
-        out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, invariant)  # [B,T,N,H]
+        out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, attention)  # [B,T,N,H]
         out = project("BTNH,NHD->BTD", out, self.o_proj[...])
         if self.o_bias is not None:
             out = out + self.o_bias[...]
@@ -158,13 +166,13 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, width: int | None = None):
         d, f = cfg.hidden_size, width or cfg.intermediate_size
-        self.gate_proj = nnx.Param(_init(rngs, (d, f), dtype, d))  # DF
-        self.up_proj = nnx.Param(_init(rngs, (d, f), dtype, d))  # DF
-        self.down_proj = nnx.Param(_init(rngs, (f, d), dtype, f))  # FD
+        self.gate_proj = nnx.Param(init_weight(rngs, (d, f), dtype, d), axes=("embed", "mlp"))  # DF
+        self.up_proj = nnx.Param(init_weight(rngs, (d, f), dtype, d), axes=("embed", "mlp"))  # DF
+        self.down_proj = nnx.Param(init_weight(rngs, (f, d), dtype, f), axes=("mlp", "embed"))  # FD
         if cfg.mlp_bias:
-            self.gate_bias = nnx.Param(_init(rngs, (f,), dtype, 1))
-            self.up_bias = nnx.Param(_init(rngs, (f,), dtype, 1))
-            self.down_bias = nnx.Param(_init(rngs, (d,), dtype, 1))
+            self.gate_bias = nnx.Param(init_weight(rngs, (f,), dtype, 1), axes=("mlp",))  # F
+            self.up_bias = nnx.Param(init_weight(rngs, (f,), dtype, 1), axes=("mlp",))  # F
+            self.down_bias = nnx.Param(init_weight(rngs, (d,), dtype, 1), axes=("embed",))  # D
         self.has_bias = cfg.mlp_bias
 
     def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:  # [B, T, D] -> [B, T, D]
@@ -190,18 +198,19 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope, *past, visible_from=None, invariant: bool = False):
+    def __call__(self, x, positions, rope, *past, visible_from=None, attention: str = "one_pass"):
         """x [B, T, D] and this layer's cache arrays -> (x, *this block's cache entries).
 
         GQA: past = (keys, values) [B, S, K, H], new keys and values [B, T, K, H]. MLA: past = (latents [B, S, C],),
         new latents [B, T, C]. `visible_from` [B]: cache slots before it are not attended to (None: all are).
-        `invariant`: attention in its batch-invariant form (models/cache_attention.py).
+        `attention`: the cache's form (models/cache_attention.py); "invariant" runs the MLP batch-invariant too.
         """
         x = constrain(x, HIDDEN)
         with jax.named_scope("attention"):
             normed = self.input_norm(x)
-            attn_out, *new = self.attn(normed, positions, rope, *past, visible_from=visible_from, invariant=invariant)
+            attn_out, *new = self.attn(normed, positions, rope, *past, visible_from=visible_from, attention=attention)
         x = x + constrain(attn_out, HIDDEN)
         with jax.named_scope("mlp"):
+            invariant = attention == "invariant"
             x = x + constrain(self.mlp(self.post_attention_norm(x), invariant=invariant), HIDDEN)
         return (x, *new)

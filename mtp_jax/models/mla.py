@@ -29,7 +29,6 @@ from mtp_jax.models.cache_attention import (
     LayerSlots,
     attend_in_chunks,
     attend_written_cache,
-    chunk_count,
     past_and_block_probs,
     read_chunks,
     read_slots,
@@ -37,7 +36,7 @@ from mtp_jax.models.cache_attention import (
     whole_chunk_runs,
     with_block,
 )
-from mtp_jax.models.layers import RMSNorm, _init, apply_rope
+from mtp_jax.models.layers import RMSNorm, apply_rope, init_weight
 from mtp_jax.models.rowwise import float32_product, project
 from mtp_jax.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
 
@@ -56,17 +55,23 @@ class MultiHeadLatentAttention(nnx.Module):
         m, d, n = cfg.mla, cfg.hidden_size, cfg.num_heads
         self.nope_dim, self.rope_dim, self.latent_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         if m.q_lora_rank:
-            self.q_a_proj = nnx.Param(_init(rngs, (d, m.q_lora_rank), dtype, d))  # DQ
-            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
-            self.q_b_proj = nnx.Param(_init(rngs, (m.q_lora_rank, n, m.qk_head_dim), dtype, m.q_lora_rank))  # QNJ
+            # the low-rank projections and the latent are shared by all heads: their rank is no model axis
+            q_b_shape = (m.q_lora_rank, n, m.qk_head_dim)
+            self.q_a_proj = nnx.Param(init_weight(rngs, (d, m.q_lora_rank), dtype, d), axes=("embed", None))  # DQ
+            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, axes=(None,))
+            q_b = init_weight(rngs, q_b_shape, dtype, m.q_lora_rank)
+            self.q_b_proj = nnx.Param(q_b, axes=(None, "heads", "head_dim"))  # QNJ
             self.q_proj = None
         else:
-            self.q_proj = nnx.Param(_init(rngs, (d, n, m.qk_head_dim), dtype, d))  # DNJ
-        self.kv_a_proj = nnx.Param(_init(rngs, (d, m.latent_dim), dtype, d))  # DC
-        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+            q = init_weight(rngs, (d, n, m.qk_head_dim), dtype, d)
+            self.q_proj = nnx.Param(q, axes=("embed", "heads", "head_dim"))  # DNJ
+        self.kv_a_proj = nnx.Param(init_weight(rngs, (d, m.latent_dim), dtype, d), axes=("embed", None))  # DC
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype, axes=(None,))
         kv_b_shape = (m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim)
-        self.kv_b_proj = nnx.Param(_init(rngs, kv_b_shape, dtype, m.kv_lora_rank))  # RNI
-        self.o_proj = nnx.Param(_init(rngs, (n, m.v_head_dim, d), dtype, n * m.v_head_dim))  # NWD
+        kv_b = init_weight(rngs, kv_b_shape, dtype, m.kv_lora_rank)
+        self.kv_b_proj = nnx.Param(kv_b, axes=(None, "heads", "head_dim"))  # RNI
+        o = init_weight(rngs, (n, m.v_head_dim, d), dtype, n * m.v_head_dim)
+        self.o_proj = nnx.Param(o, axes=("heads", "head_dim", "embed"))  # NWD
         self.interleaved = cfg.rope.interleaved
         self.scale = yarn_softmax_mscale(cfg.rope) ** 2 / math.sqrt(m.qk_head_dim)
 
@@ -100,7 +105,7 @@ class MultiHeadLatentAttention(nnx.Module):
         past: jax.Array | LayerSlots,  # [B, S, C] this layer's latent cache; slots >= positions[:, 0] are ignored
         absorb: bool | None = None,
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-        invariant: bool = False,  # the batch-invariant form of attention (models/cache_attention.py)
+        attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
     ) -> tuple[jax.Array, jax.Array]:
         """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way for the block's
         length (absorbed over a cache split over its slots, and always in the invariant form, whose arithmetic may
@@ -110,6 +115,7 @@ class MultiHeadLatentAttention(nnx.Module):
         q_rope = apply_rope(q[..., self.nope_dim :], *rope, interleaved=self.interleaved)  # [B, T, N, P]
         block = self.latents(x, rope)  # [B, T, C]
         shards = slot_shards(LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
+        invariant = attention == "invariant"
         if absorb is None:
             absorb = invariant or shards > 1 or self.absorbs(x.shape[1])
         if invariant and not absorb:
@@ -119,12 +125,12 @@ class MultiHeadLatentAttention(nnx.Module):
             out = self._absorbed_invariant(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards)
         else:
             attend = self._absorbed if absorb else self._expanded
-            out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards)
+            out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards, attention == "chunked")
         return project("BTNW,NWD->BTD", out, self.o_proj[...]), block
 
-    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int):
-        """Per-head keys and values from every latent, then ordinary attention (chunk by chunk over a cache of whole
-        chunks, expanding one chunk of each of the `shards` runs of slots at a time)."""
+    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool):
+        """Per-head keys and values from every latent, then ordinary attention (`chunked`: chunk by chunk, expanding
+        one chunk of each of the `shards` runs of slots at a time)."""
         kv_b = self.kv_b_proj[...]
         f32 = jnp.float32
 
@@ -141,7 +147,7 @@ class MultiHeadLatentAttention(nnx.Module):
             return jnp.einsum("BNTS,BSNW->BTNW", probs.astype(values.dtype), values, preferred_element_type=f32)
 
         block_scores, block_v = scores_and_values(block)
-        if chunk_count(past.shape[1]):
+        if chunked:
             rows = jnp.tile(q_nope, (shards, 1, 1, 1)), jnp.tile(q_rope, (shards, 1, 1, 1))  # [M * B, T, N, .]
 
             def attend_chunk(first):  # a chunk of each shard: [M * B, S, C], S its slots
@@ -156,9 +162,9 @@ class MultiHeadLatentAttention(nnx.Module):
         out = jnp.einsum("BNTS,BSNW->BTNW", past_probs.astype(past_v.dtype), past_v)
         return out + jnp.einsum("BNTU,BUNW->BTNW", block_probs.astype(block_v.dtype), block_v)
 
-    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int):
-        """Queries moved into latent space (q_nope . W_uk), attention over latents (chunk by chunk over a cache of
-        whole chunks, every head beside each of the `shards` runs of slots), W_uv applied to the result."""
+    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool):
+        """Queries moved into latent space (q_nope . W_uk), attention over latents (`chunked`: chunk by chunk, every
+        head beside each of the `shards` runs of slots), W_uv applied to the result."""
         kv_b = self.kv_b_proj[...]
         w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
         f32 = jnp.float32
@@ -168,7 +174,7 @@ class MultiHeadLatentAttention(nnx.Module):
         if shards > 1:
             query = constrain(query, WHOLE_HEADS)
         block_scores = jnp.einsum("BTNC,BUC->BNTU", query, block, preferred_element_type=f32)
-        if chunk_count(past.shape[1]):
+        if chunked:
             query_rows = jnp.tile(query, (shards, 1, 1, 1))  # [M * B, T, N, C]
 
             def attend_chunk(first):

@@ -28,10 +28,15 @@ from flax import nnx
 
 from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
-from mtp_jax.models.layers import SwiGLU, _init
+from mtp_jax.models.layers import SwiGLU, init_weight
 from mtp_jax.models.rowwise import project, row_sum
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # [E, D, F], [E, D, F], [E, F, D]
+EXPERT_AXES = {  # the routed experts' logical axes, declared where MoE and SoftmaxMoE create them
+    "expert_gate": ("experts", "embed", "expert_mlp"),
+    "expert_up": ("experts", "embed", "expert_mlp"),
+    "expert_down": ("experts", "expert_mlp", "embed"),
+}
 # Passes of at most this many rows (decode steps, verify blocks) run every expert on every row: a weight element
 # then costs 2 * M flops per 2 bytes read, under every accelerator's flops-to-bandwidth ratio (about 160 to 300), so
 # the pass takes the time of reading the weights it needs anyway, and its matmuls are plain dots that read a
@@ -110,7 +115,7 @@ def _expert_parallel(rules: sharding.ShardingRules, params: tuple[jax.Array, ...
     nothing splits E or F, or where a split would need more than one psum (D split, or rows and experts sharing a
     mesh axis): XLA's partitioner then keeps the values right by gathering the weights."""
     named = zip(EXPERT_WEIGHTS, params, strict=True)
-    specs = tuple(rules.spec(sharding.param_axes((name,), p.ndim), p.shape) for name, p in named)
+    specs = tuple(rules.spec(EXPERT_AXES[name], p.shape) for name, p in named)
     expert_axes, embed, width = (_mesh_axes(part) for part in specs[0])  # gate [E, D, F]
     rows = rules.spec(("batch", None, None), shape)
     split = tuple(a for a in rules.mesh.axis_names if a in expert_axes + width)
@@ -125,11 +130,12 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         m, d = cfg.moe, cfg.hidden_size
         e, f = m.num_experts, m.expert_intermediate_size
-        self.router = nnx.Param(_init(rngs, (d, e), dtype, d))  # DE
-        self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32))  # [E] e_score_correction_bias, selection only
-        self.expert_gate = nnx.Param(_init(rngs, (e, d, f), dtype, d))  # EDF
-        self.expert_up = nnx.Param(_init(rngs, (e, d, f), dtype, d))  # EDF
-        self.expert_down = nnx.Param(_init(rngs, (e, f, d), dtype, f))  # EFD
+        # [D, E] and [E]: every shard scores every expert
+        self.router = nnx.Param(init_weight(rngs, (d, e), dtype, d), axes=("embed", None))  # DE
+        self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), axes=(None,))  # [E] correction bias, selection only
+        self.expert_gate = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_gate"])  # EDF
+        self.expert_up = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_up"])  # EDF
+        self.expert_down = nnx.Param(init_weight(rngs, (e, f, d), dtype, f), axes=EXPERT_AXES["expert_down"])  # EFD
         shared_width = f * m.num_shared_experts
         self.shared = SwiGLU(cfg, dtype=dtype, rngs=rngs, width=shared_width) if shared_width else None
         self.routing = m

@@ -23,8 +23,8 @@ class ZeroCenteredRMSNorm(nnx.Module):
     """x / rms(x) * (1 + w), all in float32 and cast back at the end (as the HF reference: the weight is applied
     before the cast, unlike layers.RMSNorm, and 1 + w is never rounded to the weight's dtype)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.scale = nnx.Param(jnp.zeros((dim,), dtype))
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, axes: tuple[str | None, ...] = ("embed",)):
+        self.scale = nnx.Param(jnp.zeros((dim,), dtype), axes=axes)  # [dim]; `axes`: its logical axis
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -37,7 +37,7 @@ class GatedRMSNorm(nnx.Module):
     float32 and cast back again (the HF reference's order of roundings)."""
 
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=(None,))  # [Y] per value-head dim: kept whole
         self.eps = eps
 
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.models.layers import SwiGLU, _init
-from mtp_jax.models.moe import MoE
+from mtp_jax.models.layers import SwiGLU, init_weight
+from mtp_jax.models.moe import EXPERT_AXES, MoE
 from mtp_jax.models.rowwise import project, row_sum
 
 
@@ -25,7 +25,7 @@ class GatedSharedExpert(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, width: int):
         self.mlp = SwiGLU(cfg, dtype=dtype, rngs=rngs, width=width)
-        self.gate = nnx.Param(_init(rngs, (cfg.hidden_size,), dtype, cfg.hidden_size))  # [D]
+        self.gate = nnx.Param(init_weight(rngs, (cfg.hidden_size,), dtype, cfg.hidden_size), axes=("embed",))  # [D]
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
         gate = jax.nn.sigmoid(project("BTD,D->BT", x, self.gate[...]))
@@ -39,10 +39,10 @@ class SoftmaxMoE(MoE):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         m, d = cfg.moe, cfg.hidden_size
         e, f = m.num_experts, m.expert_intermediate_size
-        self.router = nnx.Param(_init(rngs, (d, e), dtype, d))  # DE
-        self.expert_gate = nnx.Param(_init(rngs, (e, d, f), dtype, d))  # EDF
-        self.expert_up = nnx.Param(_init(rngs, (e, d, f), dtype, d))  # EDF
-        self.expert_down = nnx.Param(_init(rngs, (e, f, d), dtype, f))  # EFD
+        self.router = nnx.Param(init_weight(rngs, (d, e), dtype, d), axes=("embed", None))  # DE: every shard scores all
+        self.expert_gate = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_gate"])  # EDF
+        self.expert_up = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_up"])  # EDF
+        self.expert_down = nnx.Param(init_weight(rngs, (e, f, d), dtype, f), axes=EXPERT_AXES["expert_down"])  # EFD
         shared_width = m.shared_width
         self.shared = GatedSharedExpert(cfg, dtype=dtype, rngs=rngs, width=shared_width) if shared_width else None
         self.routing = m

@@ -1,28 +1,19 @@
-"""Hugging Face `config.json` -> `ModelConfig`, refusing anything that changes the math and is not handled.
+"""What every family's config mapping shares: the fields no family needs to read (harmless bookkeeping), the
+fields' JSON types checked before any family reads them, and the grouped-query shape, rotary, routed-expert and
+EOS fields read alike. Each family module (mtp_jax/families/*.py) maps its own `config.json` with these.
 
-Every config key must be either read here or listed as harmless (bookkeeping that does not change the
+Every config key must be either read by the family or listed as harmless (bookkeeping that does not change the
 forward pass). An unknown key is refused by name instead of silently ignored.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.fp8 import block_size
 from mtp_jax.config import ModelConfig, MoeConfig, MtpConfig, RopeConfig
-
-DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mimo")
-MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # each mapped by its own module, checkpoints_convert/{type}.py
-# Hybrid gated-DeltaNet trunks, all mapped by checkpoints_convert/qwen_hybrid.py (its MODEL_TYPES).
-HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
-REFUSED_MODEL_TYPES = {
-    "deepseek_v32": "deepseek_v32 (DeepSeek-V3.2) is not supported yet: its sparse attention indexer is not "
-    "implemented (DeepSeek-V3, R1 and V3.1 are: model_type deepseek_v3)",
-}
+from mtp_jax.errors import ConversionError
+from mtp_jax.params.fp8 import block_size
 
 # Keys that never change the forward pass of an inference-only decoder.
 HARMLESS_KEYS = frozenset(
@@ -170,22 +161,17 @@ def rope_from_hf(hf: dict, *, partial_default: float = 1.0, interleaved: bool = 
 
 def moe_from_hf(hf: dict) -> MoeConfig:
     """The routed-expert fields shared by DeepSeek-V3 and GLM-4.5 configs."""
-    try:
-        return MoeConfig(
-            num_experts=int(hf["n_routed_experts"]),
-            experts_per_token=int(hf["num_experts_per_tok"]),
-            expert_intermediate_size=int(hf["moe_intermediate_size"]),
-            num_shared_experts=int(hf.get("n_shared_experts") or 0),
-            num_groups=int(hf.get("n_group") or 1),
-            topk_groups=int(hf.get("topk_group") or 1),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            first_dense_layers=int(hf.get("first_k_dense_replace") or 0),
-        )
-    except KeyError as e:
-        raise ConversionError(f"{hf.get('model_type')} config lacks {e.args[0]}") from None
-    except ValueError as e:
-        raise ConversionError(f"{hf.get('model_type')} config: {e}") from None
+    return MoeConfig(
+        num_experts=int(hf["n_routed_experts"]),
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        expert_intermediate_size=int(hf["moe_intermediate_size"]),
+        num_shared_experts=int(hf.get("n_shared_experts") or 0),
+        num_groups=int(hf.get("n_group") or 1),
+        topk_groups=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        first_dense_layers=int(hf.get("first_k_dense_replace") or 0),
+    )
 
 
 def check_common(hf: dict, handled: frozenset) -> None:
@@ -208,54 +194,55 @@ def eos_ids_from_hf(value) -> tuple[int, ...]:
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
-def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The `ModelConfig` of a Hugging Face config dict of a supported family; a missing or bad field is refused
-    with one line naming it (the caller, which knows the file, puts its path before)."""
-    if not isinstance(hf, dict):
-        raise ConversionError(f"expected a JSON object, got {type(hf).__name__}")
-    check_field_types(hf)
-    try:
-        return _model_config(hf)
-    except KeyError as e:
-        raise ConversionError(f"{e.args[0]} is missing") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise ConversionError(str(e)) from None
-
-
-def _model_config(hf: dict) -> ModelConfig:
-    family = hf.get("model_type")
-    if family in REFUSED_MODEL_TYPES:
-        raise ConversionError(REFUSED_MODEL_TYPES[family])
-    if family not in SUPPORTED_MODEL_TYPES:
-        raise ConversionError(f"unknown model_type {family!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if family in MOE_MODEL_TYPES:
-        return importlib.import_module(f"checkpoints_convert.{family}").model_config(hf)
-    if family in HYBRID_MODEL_TYPES:
-        return importlib.import_module("checkpoints_convert.qwen_hybrid").model_config(hf)
+def dense_model_config(hf: dict, **family_fields) -> ModelConfig:
+    """A dense grouped-query family's ModelConfig (llama, qwen2, qwen3, mimo): every field read alike, then the
+    family's own (`family_fields`, e.g. `qkv_bias=True`, `qk_norm=True`) over them."""
+    family = hf["model_type"]
     check_common(hf, HANDLED_KEYS)
     if hf.get("use_sliding_window"):
         raise ConversionError("sliding-window attention (use_sliding_window: true) is not supported")
     other_layers = {t for t in (hf.get("layer_types") or []) if t != "full_attention"}
     if other_layers:
         raise ConversionError(f"layer types {sorted(other_layers)} are not supported (only full_attention)")
-
     attention_bias = bool(hf.get("attention_bias", False))
     num_mtp = int(hf.get("num_nextn_predict_layers") or 0)
-    mtp = MtpConfig(layout="mimo" if family == "mimo" else "deepseek", num_layers=1) if num_mtp else None
-    is_qwen2 = family in ("qwen2", "mimo")
-    return ModelConfig(
+    fields = dict(
         family=family,
         **gqa_shape(hf),
         intermediate_size=int(hf["intermediate_size"]),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=rope_from_hf(hf),
-        qkv_bias=True if is_qwen2 else attention_bias,
-        o_bias=False if is_qwen2 else attention_bias,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         eos_token_ids=eos_ids_from_hf(hf.get("eos_token_id")),
         bos_token_id=hf.get("bos_token_id"),
-        mtp=mtp,
+        mtp=MtpConfig(layout="deepseek", num_layers=1) if num_mtp else None,
+    )
+    return ModelConfig(**{**fields, **family_fields})
+
+
+# The dense families' test size (tiny_configs start from it): vocab 256, hidden 64, 2 layers.
+DENSE_TINY = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-06, "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def moe_to_hf(cfg: ModelConfig) -> dict:
+    """The routed-expert fields of a DeepSeek-V3 / GLM-4.5 config.json (`moe_from_hf` backwards)."""
+    e = cfg.moe
+    return dict(
+        n_routed_experts=e.num_experts,
+        num_experts_per_tok=e.experts_per_token,
+        moe_intermediate_size=e.expert_intermediate_size,
+        n_shared_experts=e.num_shared_experts,
+        n_group=e.num_groups,
+        topk_group=e.topk_groups,
+        routed_scaling_factor=e.routed_scaling_factor,
+        norm_topk_prob=e.norm_topk_prob,
+        first_k_dense_replace=e.first_dense_layers,
     )

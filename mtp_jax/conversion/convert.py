@@ -1,7 +1,8 @@
 """Checkpoint -> model parameters, with strict accounting; converted folders written (atomically: writer.py).
 
 Accounting: every checkpoint tensor is used or matched by a named ignore rule; every parameter slot is filled
-exactly once; every tensor's shape is checked against its parameter before it is read.
+exactly once; every tensor's shape is checked against its parameter before it is read. Which tensor fills which
+parameter is the family's key table (mtp_jax/families/).
 """
 
 from __future__ import annotations
@@ -15,63 +16,36 @@ from collections.abc import Callable, Iterator
 import jax
 import ml_dtypes
 import numpy as np
-from flax import nnx
+import orbax.checkpoint as ocp
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.fp8 import Fp8BlockSource, scale_index
-from checkpoints_convert.hf_config import model_config_from_hf
-from checkpoints_convert.key_table import (
-    DECODER_LAYER,
-    IGNORED_PREFIXES,
+from mtp_jax.config import ModelConfig
+from mtp_jax.conversion.writer import write_folder
+from mtp_jax.errors import ConversionError
+from mtp_jax.families.base import Family
+from mtp_jax.families.registry import family_of, model_config_from_hf
+from mtp_jax.families.tables import (
     IGNORED_SUFFIXES,
-    MLA_ATTENTION,
-    MOE_MLP,
     MTP_FUSION,
     ROUTED_EXPERT,
     TRUNK_ROOT,
-    WEIGHT_DTYPES,
-    Target,
-    hybrid_layer_table,
     mtp_layer_prefix,
     mtp_prefix,
-    trunk_prefix,
 )
-from checkpoints_convert.source import CheckpointSource
-from checkpoints_convert.writer import write_folder
-from mtp_jax.checkpoint import CONFIG_FILE
-from mtp_jax.config import ModelConfig
-from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.causal_lm import model_param_axes
+from mtp_jax.params.fp8 import Fp8BlockSource, scale_index
+from mtp_jax.params.source import CheckpointSource
+from mtp_jax.params.transforms import WEIGHT_DTYPES, Target
+from mtp_jax.params.tree import CONFIG_FILE, PARAMS_DIR, REPORT_FILE, ParamPath, abstract_params, nest
 from mtp_jax.quant import fp8_blocks, matmul_axes
-
-PARAMS_DIR = "params"
-REPORT_FILE = "conversion.json"
-
-ParamPath = tuple[str, ...]
-
-
-def abstract_params(cfg: ModelConfig, dtype) -> dict[ParamPath, jax.ShapeDtypeStruct]:
-    """Every parameter of the model for `cfg`, by path, without allocating it."""
-    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype))
-    return {
-        tuple(str(p) for p in path): jax.ShapeDtypeStruct(v.shape, v.dtype)
-        for path, v in nnx.to_flat_state(nnx.state(model))
-    }
-
-
-LAYER_TABLE = {**DECODER_LAYER, **MLA_ATTENTION, **MOE_MLP}  # entries whose parameter a layer lacks are skipped
 
 
 def _layer_targets(
-    cfg: ModelConfig, prefix: str, stack: ParamPath, index: int, names: frozenset[str]
+    cfg: ModelConfig, family: Family, prefix: str, stack: ParamPath, index: int, names: frozenset[str]
 ) -> Iterator[tuple[str, Target]]:
     """The tensors of one decoder layer under `prefix`, filling slot `index` of the layer stack whose layer module
-    is at `stack`. `names` (the checkpoint's) tell whether a hybrid layer's experts are fused."""
+    is at `stack`. `names` (the checkpoint's) tell whether the layer's experts are fused."""
     fused_experts = f"{prefix}mlp.experts.gate_up_proj" in names
-    if cfg.is_hybrid:
-        entries = hybrid_layer_table(cfg, fused_experts)
-    else:
-        entries = [(suffix, path, transform) for suffix, (path, transform) in LAYER_TABLE.items()]
-    for suffix, path, transform in entries:
+    for suffix, path, transform in family.layer_table(cfg, fused_experts):
         yield prefix + suffix, Target((*stack, *path), (index,), transform)
     for e in range(0 if cfg.moe is None or fused_experts else cfg.moe.num_experts):
         for suffix, (path, transform) in ROUTED_EXPERT.items():
@@ -82,7 +56,8 @@ def candidate_targets(cfg: ModelConfig, names: frozenset[str] = frozenset()) -> 
     """Every tensor name this model could read, with its target (the caller keeps those whose parameter exists);
     a tensor that holds several parameters appears once per parameter. `names`: the checkpoint's tensor names,
     where the layout depends on them (fused or per-expert experts)."""
-    root = trunk_prefix(cfg)
+    family = family_of(cfg.family)
+    root = family.trunk_prefix(cfg)
     for name, (path, transform) in TRUNK_ROOT.items():
         yield name.replace("model.", root, 1), Target(path, (), transform)
     for s, segment in enumerate(cfg.segments()):
@@ -90,15 +65,15 @@ def candidate_targets(cfg: ModelConfig, names: frozenset[str] = frozenset()) -> 
             for j in range(len(segment.kinds)):
                 layer = segment.start + r * len(segment.kinds) + j
                 stack = ("members", str(j)) if segment.scanned_as_group else ("layers",)
-                yield from _layer_targets(cfg, f"{root}layers.{layer}.", ("segments", str(s), *stack), r, names)
+                yield from _layer_targets(cfg, family, f"{root}layers.{layer}.", ("segments", str(s), *stack), r, names)
     if cfg.has_mtp:
         prefix = mtp_prefix(cfg.mtp.layout, cfg.num_layers)
         for suffix, (path, transform) in MTP_FUSION[cfg.mtp.layout].items():
             yield prefix + suffix, Target(("mtp", *path), (), transform)
         layer_prefix = mtp_layer_prefix(cfg.mtp.layout, cfg.num_layers)
-        yield from _layer_targets(cfg, layer_prefix, ("mtp", "block", "layers"), 0, names)
+        yield from _layer_targets(cfg, family, layer_prefix, ("mtp", "block", "layers"), 0, names)
         for i in range(1, cfg.mtp.block_layers):  # layers stacked by heads trained here
-            yield from _layer_targets(cfg, f"{prefix}block_layers.{i}.", ("mtp", "block", "layers"), i, names)
+            yield from _layer_targets(cfg, family, f"{prefix}block_layers.{i}.", ("mtp", "block", "layers"), i, names)
 
 
 @dataclasses.dataclass
@@ -121,12 +96,13 @@ def plan_conversion(cfg: ModelConfig, params: dict[ParamPath, jax.ShapeDtypeStru
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise ConversionError(f"missing tensors: {shown}")
+    ignored_prefixes = family_of(cfg.family).ignored_prefixes
     ignored, unexpected = {}, []
     for name in names:
         if name in expected:
             continue
         reason = next((why for suffix, why in IGNORED_SUFFIXES.items() if name.endswith(suffix)), None)
-        reason = reason or next((why for prefix, why in IGNORED_PREFIXES.items() if name.startswith(prefix)), None)
+        reason = reason or next((why for prefix, why in ignored_prefixes.items() if name.startswith(prefix)), None)
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             reason = "tied to the embedding"
         if reason is None:
@@ -232,7 +208,7 @@ def param_readers(
     for name, targets in plan.targets.items():
         for target in targets:
             by_path.setdefault(target.path, []).append((name, target))
-    readers = {}
+    readers, layouts = {}, model_param_axes(cfg, dtype)
     for path, spec in params.items():
         if path == ("draft_vocab",):
             continue
@@ -243,19 +219,19 @@ def param_readers(
                 raise ConversionError(f"shape mismatch for {name}: checkpoint has {got}, model expects {want}")
         # the model's dtype, except float32 router biases
         tensors = tuple(by_path[path])
-        blocks = _fp8_blocks(path, spec, tensors, source)
+        blocks = _fp8_blocks(path, spec, layouts[path], tensors, source)
         readers[path] = ParamReader(source, tuple(spec.shape), np.dtype(spec.dtype), tensors, blocks)
     return readers, plan
 
 
-def _fp8_blocks(path: ParamPath, spec, tensors, source: CheckpointSource) -> tuple[int, ...] | None:
+def _fp8_blocks(path: ParamPath, spec, layout, tensors, source: CheckpointSource) -> tuple[int, ...] | None:
     """`ParamReader.fp8_blocks` of the parameter at `path`: its scale boxes where every tensor is stored fp8 and the
     parameter is a matmul weight; None where none is. A matmul weight stored partly fp8, or an fp8 tensor where no
     matmul weight is, is refused."""
     quantized = [isinstance(source, Fp8BlockSource) and source.is_quantized(name) for name, _ in tensors]
     if not any(quantized):
         return None
-    axes = matmul_axes(path, len(spec.shape))
+    axes = matmul_axes(path, layout)
     if axes is None or not all(quantized):
         where = "a parameter that is no matmul weight" if axes is None else "a weight whose other slots are not"
         raise ConversionError(f"{tensors[quantized.index(True)][0]} is stored fp8 for {where} ({'/'.join(path)})")
@@ -283,20 +259,8 @@ def convert_params(
     return out, plan
 
 
-def nest(flat: dict[ParamPath, object]) -> dict:
-    """{('a', 'b'): x} -> {'a': {'b': x}}."""
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
 def write_converted(dst: str, cfg: ModelConfig, params: dict, tokenizer, report: dict, overwrite: bool) -> None:
     """Write config, orbax params and tokenizer into the new folder `dst`, atomically (`writer.write_folder`)."""
-    import orbax.checkpoint as ocp
 
     def fill(folder: str) -> None:
         with open(os.path.join(folder, CONFIG_FILE), "w") as f:

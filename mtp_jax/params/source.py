@@ -2,7 +2,7 @@
 
 A source gives the HF `config.json` dict, the tensor names, and one tensor at a time as a NumPy array
 (memory-mapped where the file format allows), so a conversion never holds the whole checkpoint in memory.
-`open_source` picks the reader: a Hugging Face folder of safetensors, or a `.gguf` file.
+`open_source` (mtp_jax/params/open_source.py) picks the reader: a Hugging Face folder of safetensors, or a `.gguf` file.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.safetensors_reader import SafetensorsFile
+from mtp_jax.errors import ConversionError
+from mtp_jax.params.safetensors_reader import SafetensorsFile
 
 
 class CheckpointSource(abc.ABC):
@@ -147,23 +147,6 @@ class SafetensorsFolderSource(CheckpointSource):
     def load_tokenizer(self):
         if not any(f.startswith(("tokenizer", "vocab")) for f in self.tokenizer_files()):
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
 
         return AutoTokenizer.from_pretrained(self.path)
-
-
-def open_source(path: str) -> CheckpointSource:
-    """The source for `path`: a `.gguf` file or a Hugging Face safetensors folder."""
-    if not os.path.exists(path):
-        raise ConversionError(f"{path}: no such file or folder")
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        from checkpoints_convert.gguf_source import GGUFSource
-
-        return GGUFSource(path)
-    if os.path.isdir(path):
-        from checkpoints_convert.fp8 import Fp8BlockSource, block_size
-
-        source = SafetensorsFolderSource(path)
-        block = block_size(source.hf_config)
-        return source if block is None else Fp8BlockSource(source, block)
-    raise ConversionError(f"{path}: expected a Hugging Face model folder or a .gguf file")

@@ -15,8 +15,8 @@ import gguf
 import ml_dtypes
 import numpy as np
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.source import CheckpointSource
+from mtp_jax.errors import ConversionError
+from mtp_jax.params.source import CheckpointSource
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 HF_ARCHITECTURE_CLASSES = {
@@ -177,7 +177,7 @@ class GGUFSource(CheckpointSource):
     def _tokenizer_without_torch(self):
         """transformers' GGUF tokenizer builder fed with metadata read here: its own GGUF reader imports torch,
         which the library does not require. None when this transformers version lacks the builder."""
-        try:
+        try:  # transformers is heavy to import (seconds): only a tokenizer needs it
             from transformers import PreTrainedTokenizerFast
             from transformers.integrations.gguf.gguf_tokenizer_mapping import (
                 GGUF_TOKENIZER_MAPPING,
@@ -201,7 +201,7 @@ class GGUFSource(CheckpointSource):
         return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
     def load_tokenizer(self):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
 
         folder, filename = os.path.split(os.path.abspath(self.path))
         try:

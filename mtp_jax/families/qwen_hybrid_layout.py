@@ -40,11 +40,6 @@ def split_z(w: np.ndarray, cfg: GatedDeltaNetConfig) -> np.ndarray:
     return w.reshape(cfg.num_value_heads, cfg.value_head_dim, -1).transpose(2, 0, 1)
 
 
-def conv_weight(w: np.ndarray) -> np.ndarray:
-    """conv1d.weight [C, 1, W] -> [W, C] (both layouts)."""
-    return w[:, 0, :].T
-
-
 def out_proj(w: np.ndarray, cfg: GatedDeltaNetConfig) -> np.ndarray:
     """out_proj.weight [D, N*Y] -> [N, Y, D] (both layouts)."""
     return w.T.reshape(cfg.num_value_heads, cfg.value_head_dim, -1)

@@ -13,8 +13,8 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.source import CheckpointSource
+from mtp_jax.errors import ConversionError
+from mtp_jax.params.source import CheckpointSource
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))

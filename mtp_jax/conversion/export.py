@@ -10,18 +10,20 @@ import os
 
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
-from checkpoints_convert.convert import candidate_targets
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.key_table import Linear
 from mtp_jax.config import ModelConfig
+from mtp_jax.conversion.convert import candidate_targets
+from mtp_jax.errors import ConversionError
+from mtp_jax.families.registry import family_of
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.params.transforms import Linear
 
 
 def hf_tensors(model: CausalLM, only_mtp: bool = False) -> dict[str, np.ndarray]:
-    """Every parameter of `model` under its HF name, in the HF layout ([out, in] for linears). Hybrid families
-    (Qwen3-Next, Qwen3.5), whose checkpoints fuse several parameters into one tensor, are refused."""
-    if model.config.is_hybrid:
+    """Every parameter of `model` under its HF name, in the HF layout ([out, in] for linears). Families that cannot
+    be written (Qwen3-Next, Qwen3.5: their checkpoints fuse several parameters into one tensor) are refused."""
+    if family_of(model.config.family).export_config is None:
         raise ConversionError(f"writing {model.config.family} checkpoints is not supported (fused tensors)")
     flat = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
     tensors = {}
@@ -38,7 +40,8 @@ def hf_tensors(model: CausalLM, only_mtp: bool = False) -> dict[str, np.ndarray]
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    """A `config.json` dict that `model_config_from_hf` maps back to `cfg`."""
+    """A `config.json` dict that `model_config_from_hf` maps back to `cfg`: the fields every family shares, then the
+    family's own (`Family.export_config`)."""
     config = {
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
@@ -77,44 +80,12 @@ def hf_config(cfg: ModelConfig) -> dict:
         )
     if cfg.rope.partial_factor != 1.0:
         config["rope_parameters"]["partial_rotary_factor"] = cfg.rope.partial_factor
-    if cfg.family in ("llama", "qwen3", "glm4_moe"):
-        config["attention_bias"] = cfg.qkv_bias
-    if cfg.family == "llama":
-        config["mlp_bias"] = cfg.mlp_bias
-    if cfg.family == "glm4_moe":
-        config["use_qk_norm"] = cfg.qk_norm
-    if cfg.mla is not None:
-        m = cfg.mla
-        del config["head_dim"]
-        config.update(
-            q_lora_rank=m.q_lora_rank or None,
-            kv_lora_rank=m.kv_lora_rank,
-            qk_nope_head_dim=m.qk_nope_head_dim,
-            qk_rope_head_dim=m.qk_rope_head_dim,
-            v_head_dim=m.v_head_dim,
-            rope_interleave=cfg.rope.interleaved,
-        )
-    if cfg.moe is not None:
-        e = cfg.moe
-        config.update(
-            n_routed_experts=e.num_experts,
-            num_experts_per_tok=e.experts_per_token,
-            moe_intermediate_size=e.expert_intermediate_size,
-            n_shared_experts=e.num_shared_experts,
-            n_group=e.num_groups,
-            topk_group=e.topk_groups,
-            routed_scaling_factor=e.routed_scaling_factor,
-            norm_topk_prob=e.norm_topk_prob,
-            first_k_dense_replace=e.first_dense_layers,
-        )
     config["num_nextn_predict_layers"] = cfg.mtp.num_layers if cfg.has_mtp else 0
-    return config
+    return family_of(cfg.family).export_config(cfg, config)
 
 
 def save_hf_folder(model: CausalLM, path: str) -> None:
     """Write `config.json` + `model.safetensors` for `model` (float32 or bf16 as the params are)."""
-    from safetensors.numpy import save_file
-
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config(model.config), f, indent=2)

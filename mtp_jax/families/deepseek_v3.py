@@ -1,16 +1,18 @@
-"""DeepSeek-V3 / R1 / V3.1 (`model_type: deepseek_v3`): config mapping.
+"""DeepSeek-V3 / R1 / V3.1 (`model_type: deepseek_v3`).
 
 Multi-head latent attention with query LoRA, yarn rotary (interleaved pairs, softmax mscale), sigmoid-routed
 experts with group-limited top-k from layer `first_k_dense_replace` on, one MTP layer at `model.layers.{N}`
-(N = num_hidden_layers). Released weights are fp8 e4m3 with 128x128 block scales (checkpoints_convert/fp8.py).
-Key names: checkpoints_convert/key_table.py (MLA_ATTENTION, MOE_MLP, ROUTED_EXPERT, MTP_FUSION["deepseek"]).
+(N = num_hidden_layers). Released weights are fp8 e4m3 with 128x128 block scales (mtp_jax/params/fp8.py).
+Key names: the standard layer table (mtp_jax/families/tables.py: MLA_ATTENTION, MOE_MLP, ROUTED_EXPERT,
+MTP_FUSION["deepseek"]).
 """
 
 from __future__ import annotations
 
-from checkpoints_convert.errors import ConversionError
-from checkpoints_convert.hf_config import HANDLED_KEYS, check_common, eos_ids_from_hf, moe_from_hf, rope_from_hf
 from mtp_jax.config import MlaConfig, ModelConfig, MtpConfig
+from mtp_jax.errors import ConversionError
+from mtp_jax.families.base import Family, register
+from mtp_jax.families.common import HANDLED_KEYS, check_common, eos_ids_from_hf, moe_from_hf, moe_to_hf, rope_from_hf
 
 MOE_KEYS = frozenset(
     {
@@ -67,3 +69,42 @@ def model_config(hf: dict) -> ModelConfig:
         mla=mla,
         moe=moe_from_hf(hf),
     )
+
+
+def export_config(cfg: ModelConfig, shared: dict) -> dict:
+    """config.json of `cfg`: the shared fields (no head_dim: MLA's heads are sized by their parts), MLA, experts."""
+    m = cfg.mla
+    mla = dict(
+        q_lora_rank=m.q_lora_rank or None,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_interleave=cfg.rope.interleaved,
+    )
+    return {**{k: v for k, v in shared.items() if k != "head_dim"}, **mla, **moe_to_hf(cfg)}
+
+
+TINY = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 4,
+    "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "first_k_dense_replace": 1, "moe_layer_freq": 1, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-06, "hidden_act": "silu", "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 128, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "num_nextn_predict_layers": 1,
+}  # fmt: skip
+
+FAMILY = register(
+    Family(
+        model_types=("deepseek_v3",),
+        model_config=model_config,
+        tiny_configs={"deepseek_v3": TINY},
+        export_config=export_config,
+        published_acceptance=(0.85, "DeepSeek-V3 technical report: 85-90% acceptance of the second token"),
+    )
+)
