@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ours with batch-invariant numerics (default: as DecodeConfig)")  # fmt: skip
     parser.add_argument("--invariance-cost", action="store_true", help="time ours with the other numerics too, "
                         "for every k, in the same sweeps (rows marked 'invariant' or 'default numerics')")  # fmt: skip
-    parser.add_argument("--mesh", help="shard ours over every device: data=D,model=M[,expert=E] or auto")
+    parser.add_argument("--mesh", help="shard ours over D*M*E devices (the first ones; all of them in a multi-process "
+                        "run): data=D,model=M[,expert=E] or auto (every device on model)")  # fmt: skip
     add_storage_arguments(parser)
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")

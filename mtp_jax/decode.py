@@ -1,7 +1,8 @@
 """python -m mtp_jax.decode: batch generation from prompts to JSONL, with MTP drafting when the model has a head.
 
-Rows are written as their batch finishes: to stdout, or to FILE.partial-<settings> beside --out, renamed to --out
-when every row is there. A run that stops early keeps its finished rows there, and --resume continues it.
+Rows are written as their batch finishes: to stdout (as plain text, a block per prompt, when stdout is a terminal),
+or to FILE.partial-<settings> beside --out, renamed to --out when every row is there. A run that stops early keeps
+its finished rows there, and --resume continues it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompts-file", help=".txt (a prompt a line) or .jsonl (prompt or token_ids a line)")
     parser.add_argument("--head", help="MTP head folder from train_head (default: the model's own or shipped head)")
-    parser.add_argument("--out", help="output JSONL (default: stdout)")
+    parser.add_argument("--out", help="output JSONL (default: stdout; text, a block per prompt, on a terminal)")
     parser.add_argument("--resume", action="store_true", help="keep the rows an earlier run with the same settings "
                         "finished (in --out's partial file, or in --out) and decode only the rest")  # fmt: skip
     parser.add_argument("--num-draft", type=non_negative_int, help="drafts per round (default 3 with a head)")
@@ -73,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
-    parser.add_argument("--mesh", help="shard over every device: data=D,model=M[,expert=E] or auto (all on model); "
-                        "--batch-size is rounded up to a multiple of D")  # fmt: skip
+    parser.add_argument("--mesh", help="shard over D*M*E devices (the first ones; every device of every process in "
+                        "a multi-process run): data=D,model=M[,expert=E] or auto (all on model); --batch-size is "
+                        "rounded up to a multiple of D")  # fmt: skip
     add_distributed_arguments(parser)
     add_storage_arguments(parser)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -194,8 +196,8 @@ ROW_SETTINGS = ("model", "head", "dtype", "weights", "no_mtp", "num_draft", "ada
 
 
 class RowOutput:
-    """Where process 0 writes finished rows, batch by batch: stdout, or `--out`'s partial file, renamed to `--out`
-    by `finish`.
+    """Where process 0 writes finished rows, batch by batch: stdout (JSONL, or `terminal_text` when it is a
+    terminal), or `--out`'s partial file, renamed to `--out` by `finish`.
 
     The partial file, FILE.partial-<hash of the settings that shape rows>, holds whole rows in the output's format,
     in input order. A fresh run refuses to start beside one (its rows would be lost); --resume keeps its rows (or a
@@ -203,6 +205,8 @@ class RowOutput:
 
     def __init__(self, args, prompts: list[str | list[int]]):
         self.file, self.kept, self.written = None, 0, 0
+        self.terminal = args.out is None and sys.stdout.isatty()
+        self.total = len(prompts)
         if args.out is None:
             return
         self.out = os.path.abspath(args.out)
@@ -237,7 +241,10 @@ class RowOutput:
             print(f"resuming: {len(rows)} finished rows kept from {source}", file=sys.stderr)
 
     def write(self, rows: list[dict]) -> None:
-        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        if self.terminal:
+            lines = "".join(terminal_text(r, self.total) for r in rows)
+        else:
+            lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         if self.file is None:
             sys.stdout.write(lines)
             sys.stdout.flush()
@@ -263,6 +270,19 @@ class RowOutput:
             os.unlink(self.partial)
             return ""
         return f"{rows} finished rows kept in {self.partial}; rerun with --resume to continue"
+
+
+def terminal_text(row: dict, total: int) -> str:
+    """A row as a person reads it: the generated text (its token ids where it has none: no tokenizer), under a
+    header line with the prompt's number and its start when there are several prompts."""
+    answer = row["text"] or ("token ids: " + json.dumps(row["token_ids"]) if row["token_ids"] else "")
+    if total == 1:
+        return answer + "\n"
+    prompt = row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"])
+    prompt = " ".join(prompt.split())
+    prompt = prompt if len(prompt) <= 60 else prompt[:59] + "…"
+    separator = "\n" if row["index"] > 0 else ""
+    return f"{separator}=== [{row['index'] + 1}/{total}] {prompt} ===\n{answer}\n"
 
 
 def read_rows(path: str, prompts: list[str | list[int]]) -> tuple[list[dict], int]:

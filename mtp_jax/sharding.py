@@ -12,7 +12,8 @@ shard. A dimension the mesh axes do not divide drops the trailing ones (kv heads
 attention cache whose heads stay whole so (or that has none: MLA's latents) is split over its slots instead
 (`ShardingRules.cache_spec`).
 
-    mesh = make_mesh("data=2,model=4")            # or "auto": every device on `model`
+    mesh = make_mesh("data=2,model=4")            # or "auto": every device on `model`; in one process, a mesh of
+                                                  # fewer devices than there are takes the first ones
     model = mtp_jax.load_model(path, mesh=mesh)   # each parameter lands directly in its NamedSharding
     out = mtp_jax.generate(model, ids, lens, key, cfg)  # caches and outputs sharded over `data`
 
@@ -57,8 +58,9 @@ MeshAxes = str | tuple[str, ...] | None
 Logical = Sequence[str | types.EllipsisType | None]
 
 
-def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
-    """`data=D,model=M[,expert=E]` (missing axes are 1) or `auto` -> {axis: size}; the sizes must use every device."""
+def parse_mesh_spec(spec: str, num_devices: int, *, subset: bool = False) -> dict[str, int]:
+    """`data=D,model=M[,expert=E]` (missing axes are 1) or `auto` -> {axis: size}; the sizes must use every one of
+    the `num_devices` devices (`subset`: at most that many; `auto` still takes them all)."""
     if spec.strip() == "auto":
         return {"data": 1, "expert": 1, "model": num_devices}
     sizes = dict.fromkeys(MESH_AXES, 1)
@@ -69,22 +71,30 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
             raise ValueError(f"bad mesh spec {spec!r}: expected auto or data=D,model=M[,expert=E] with sizes >= 1")
         sizes[name] = int(value)
         seen.add(name)
-    if math.prod(sizes.values()) != num_devices:
+    count = math.prod(sizes.values())
+    if count > num_devices:
+        raise ValueError(f"mesh {spec!r} has {count} devices but only {num_devices} are available")
+    if count < num_devices and not subset:
         raise ValueError(
-            f"mesh {spec!r} has {math.prod(sizes.values())} devices but {num_devices} are available "
-            "(jax.device_count(), all processes together)"
+            f"mesh {spec!r} has {count} devices but {num_devices} are available (jax.device_count(), all processes "
+            "together): a multi-process run uses every device of every process"
         )
     return sizes
 
 
 def make_mesh(spec: str = "auto", devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes (data, expert, model) from `spec` over `devices` (default: every device of every process).
+    """A mesh with axes (data, expert, model) from `spec` over `devices`.
 
+    Default `devices`: in one process, the first ones of `jax.devices()` (all of them for `auto`; `data=1,model=4`
+    on 8 devices takes devices 0-3); in a multi-process run, every device of every process, which the sizes must
+    use. Given `devices`, the sizes must use all of them.
     Devices with physical coordinates (TPU slices) are laid out along the torus; a size that is no product of
     physical axis sizes (8 on a 4x4x4 slice) splits a physical axis. A layout no split makes is a ValueError."""
+    subset = devices is None and jax.process_count() == 1
     devices = list(jax.devices() if devices is None else devices)
-    sizes = parse_mesh_spec(spec, len(devices))
+    sizes = parse_mesh_spec(spec, len(devices), subset=subset)
     shape = tuple(sizes[a] for a in MESH_AXES)
+    devices = devices[: math.prod(shape)]
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     try:
         return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)

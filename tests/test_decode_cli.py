@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import pytest
 from flax import nnx
@@ -10,6 +12,7 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
+from mtp_jax.decode import terminal_text
 from tests.tiny_models import tiny_config
 
 STATS_FIELDS = {
@@ -120,3 +123,44 @@ def test_missing_model_and_bad_option_values(checkpoints, capsys, tmp_path):
         decode_main(["--model", str(checkpoints / "with_head"), "--prompt", "hi", "--max-new-tokens", "0"])
     assert exit_info.value.code == 2
     assert "--max-new-tokens" in capsys.readouterr().err
+
+
+class Terminal(io.StringIO):
+    """A stdout that says it is a terminal (or, with `tty=False`, that it is not)."""
+
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_terminal_gets_text_blocks_and_pipes_get_jsonl(checkpoints, capsys, monkeypatch, tmp_path):
+    common = ["--model", str(checkpoints / "with_head"), "--prompts-file", str(checkpoints / "prompts.jsonl")]
+    common += ["--max-new-tokens", "6", "--dtype", "float32"]
+    assert decode_main([*common, "--out", str(tmp_path / "rows.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    expected_jsonl = (tmp_path / "rows.jsonl").read_text()
+    shown = {}
+    for tty in (True, False):
+        monkeypatch.setattr(sys, "stdout", Terminal(tty))
+        assert decode_main(common) == 0
+        shown[tty] = sys.stdout.getvalue()
+    monkeypatch.undo()
+    assert "mean accepted length" in capsys.readouterr().err  # the summary stays on stderr
+    assert shown[False] == expected_jsonl  # a pipe: JSONL, byte for byte as with --out
+    blocks = shown[True].split("\n\n")
+    assert len(blocks) == len(rows) == 5
+    for i, (block, row) in enumerate(zip(blocks, rows, strict=True)):
+        header, answer = block.strip("\n").split("\n")
+        assert header == f"=== [{i + 1}/5] {json.dumps(row['prompt'])} ==="
+        assert answer == f"token ids: {json.dumps(row['token_ids'])}"  # this checkpoint has no tokenizer
+
+
+def test_terminal_text_of_one_prompt_and_of_several():
+    row = {"index": 0, "prompt": "Say hi\n  twice", "text": "hi hi", "token_ids": [7, 7], "num_tokens": 2}
+    assert terminal_text(row, 1) == "hi hi\n"
+    assert terminal_text(row, 2) == "=== [1/2] Say hi twice ===\nhi hi\n"
+    long = {**row, "index": 1, "prompt": "x" * 80}
+    assert terminal_text(long, 2) == f"\n=== [2/2] {'x' * 59}… ===\nhi hi\n"

@@ -356,6 +356,12 @@ def test_mesh_spec():
     for bad in ("data=3,model=2", "data=2,mode=4", "data=0,model=8", "data=2,data=4", "model=x", ""):
         with pytest.raises(ValueError, match="mesh"):
             sharding.parse_mesh_spec(bad, 8)
+    with pytest.raises(ValueError, match="has 4 devices but 8 are available"):
+        sharding.parse_mesh_spec("data=1,model=4", 8)  # every device, unless a subset is allowed (one process)
+    assert sharding.parse_mesh_spec("data=1,model=4", 8, subset=True) == {"data": 1, "expert": 1, "model": 4}
+    assert sharding.parse_mesh_spec("auto", 8, subset=True) == {"data": 1, "expert": 1, "model": 8}
+    with pytest.raises(ValueError, match="has 9 devices but only 8 are available"):
+        sharding.parse_mesh_spec("data=3,model=3", 8, subset=True)
 
 
 def test_rules_refuse_collisions_and_unknown_axes():

@@ -1,0 +1,68 @@
+"""Runs in its own process with 8 CPU devices (tests/test_subset_mesh.py starts it with XLA_FLAGS set).
+
+Builds the mesh data=1,model=4 over the first 4 of the 8 devices, decodes a tiny model greedily (two drafts a round)
+on one device and on that mesh, asks for the same mesh as if this were one of two processes, and writes what it saw
+as JSON for the test's assertions. Usage, from the repository root: python -m tests.subset_mesh_worker OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+import mtp_jax
+from mtp_jax import sharding
+from tests.tiny_models import predictable_model, tiny_config
+
+SPEC = "data=1,model=4"
+LENS = np.array([1, 7, 4, 10], np.int32)
+IDS = np.where(np.arange(10) < LENS[:, None], np.random.default_rng(1).integers(0, 24, (4, 10)), 0).astype(np.int32)
+
+
+def greedy(model) -> dict:
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=16)
+    out = mtp_jax.generate(model, IDS, LENS, jax.random.key(0), cfg)
+    return {
+        "tokens": np.asarray(out.tokens).tolist(),
+        "lengths": np.asarray(out.lengths).tolist(),
+        "devices": sorted(d.id for d in out.tokens.devices()),
+    }
+
+
+def multi_process_error() -> str:
+    """make_mesh's error for SPEC when jax says there are two processes (the rule of a multi-process run)."""
+    real = jax.process_count
+    jax.process_count = lambda: 2
+    try:
+        sharding.make_mesh(SPEC)
+    except ValueError as e:
+        return str(e)
+    finally:
+        jax.process_count = real
+    return ""
+
+
+def main(out_path: str) -> None:
+    assert jax.device_count() == 8, f"expected 8 CPU devices (XLA_FLAGS), got {jax.devices()}"
+    mesh = sharding.make_mesh(SPEC)
+    model = predictable_model(seed=3, cfg=tiny_config().replace(num_heads=8, head_dim=4))
+    sharded = sharding.shard_model(model, mesh)
+    report = {
+        "mesh_shape": dict(mesh.shape),
+        "mesh_devices": [d.id for d in mesh.devices.flat],
+        "first_devices": [d.id for d in jax.devices()[:4]],
+        "param_devices": sorted({d.id for leaf in jax.tree.leaves(nnx.state(sharded)) for d in leaf.devices()}),
+        "one_device": greedy(model),
+        "mesh": greedy(sharded),
+        "multi_process_error": multi_process_error(),
+    }
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
