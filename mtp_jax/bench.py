@@ -29,6 +29,7 @@ from mtp_jax.config import DecodeConfig
 from mtp_jax.decode import add_storage_arguments, positive_int
 from mtp_jax.default_model import default_gguf_path
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.hub import MODEL_HELP, local_path, names_a_model
 from mtp_jax.models import causal_lm
 from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 from mtp_jax.quant import quantize_model
@@ -69,7 +70,7 @@ def int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m mtp_jax.bench", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="Hugging Face folder, converted folder or .gguf (default: SmolLM2-135M)")
+    source.add_argument("--model", help=f"{MODEL_HELP} (default: SmolLM2-135M)")
     source.add_argument("--random-shape", choices=sorted(SHAPES), help="time random weights of a named shape")
     parser.add_argument("--head", help="MTP head folder from train_head (default: the model's own or shipped head)")
     parser.add_argument("--prompts-file", help=".txt or .jsonl (default: 8 built-in prompts: code, chat, math, ...)")
@@ -113,8 +114,9 @@ def load_target(args, notes: list[str]):
             f"random weights, shape {args.random_shape}",
             None,
         )
-    path = args.model or default_gguf_path()
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
+    path = local_path(args.model) if args.model else None  # a repo id: its snapshot folder, for the peer too
+    model, tokenizer = checkpoint.load(path, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
+    path = path or default_gguf_path()
     model = causal_lm.apply_layer_layout(model, args.layer_layout)
     if args.peer is False:
         return model, tokenizer, path, None
@@ -255,7 +257,7 @@ class PeerRun:
 def run(args) -> dict:
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.model is not None and not os.path.exists(args.model):
+    if args.model is not None and not names_a_model(args.model):
         raise UserError(f"{args.model}: no such model file or folder")
     if args.random_shape and (args.head or args.peer):
         raise UserError("--random-shape takes no --head and has no transformers peer (--peer)")

@@ -1,4 +1,4 @@
-"""`load_model`: a converted folder, a Hugging Face folder or a .gguf (or the default model) -> `CausalLM`."""
+"""`load_model`: a converted folder, a Hugging Face folder or repo id, a .gguf (or the default model) -> `CausalLM`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mtp_jax.conversion.convert import config_of
 from mtp_jax.conversion.placement import read_params
 from mtp_jax.default_model import default_gguf_path
 from mtp_jax.heads import attach_head, head_for
+from mtp_jax.hub import local_path
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.params.converted import is_converted, restore_converted
 from mtp_jax.params.open_source import open_source
@@ -34,7 +35,8 @@ def load(
     default_head: bool = True,
     weights: str = "auto",
 ):
-    """(model, tokenizer or None) for `path`; None means the default model.
+    """(model, tokenizer or None) for `path`; None means the default model. `path` may also be a Hugging Face repo
+    id, `ORG/NAME[@REVISION]` (`mtp_jax.hub`; an existing local path of that name wins).
 
     `mesh`: a `jax.sharding.Mesh` (default rules of `mtp_jax.sharding`) or `ShardingRules`; every parameter is then
     placed directly into its sharding, and each process reads only the parts of the tensors its devices hold.
@@ -48,6 +50,7 @@ def load(
     "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel scales; "fp8" keeps an fp8
     checkpoint as shipped and stores every matmul weight of any other as fp8 with 128 x 128 block scales.
     """
+    path = None if path is None else local_path(path)
     model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh, weights=weights)
     head = head or (head_for(path) if default_head else None)
     model = attach_head(model, head) if head else model
@@ -83,6 +86,7 @@ def load_model(
     default_head: bool = True,
     weights: str = "auto",
 ) -> CausalLM:
-    """The model at `path` (converted folder, Hugging Face folder or .gguf); None means the default model.
+    """The model at `path` (converted folder, Hugging Face folder or repo id `ORG/NAME[@REVISION]`, or .gguf); None
+    means the default model.
     `mesh`, `head`, `default_head`, `weights`: as `load` takes them."""
     return load(path, dtype=dtype, mesh=mesh, head=head, default_head=default_head, weights=weights)[0]

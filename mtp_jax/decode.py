@@ -27,6 +27,7 @@ from mtp_jax.cache import cache_slots
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS, DecodeConfig
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
+from mtp_jax.hub import MODEL_HELP, names_a_model
 from mtp_jax.models import causal_lm
 from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_records
 from mtp_jax.sampling import SamplingParams
@@ -49,7 +50,7 @@ def non_negative_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.decode", description=__doc__)
-    parser.add_argument("--model", help="Hugging Face folder, converted folder or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--model", help=f"{MODEL_HELP} (default: SmolLM2-135M)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompts-file", help=".txt (a prompt a line) or .jsonl (prompt or token_ids a line)")
@@ -332,7 +333,7 @@ def run(args) -> int:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.model is not None and not os.path.exists(args.model):
+    if args.model is not None and not names_a_model(args.model):
         raise UserError(f"{args.model}: no such model file or folder")
     if args.round_costs is not None and not args.adaptive:
         raise UserError("--round-costs goes with --adaptive")

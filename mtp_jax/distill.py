@@ -22,6 +22,7 @@ from mtp_jax.config import DecodeConfig
 from mtp_jax.data.prompt_builder import build_prompts
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
+from mtp_jax.hub import MODEL_HELP
 from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
 from mtp_jax.speculative import generate
 
@@ -66,7 +67,7 @@ def distill(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.distill", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model path (default: the default model)")
+    parser.add_argument("--model", help=f"{MODEL_HELP} (default: the default model)")
     parser.add_argument("--out", required=True, help="output JSONL")
     parser.add_argument("--num-prompts", type=int, default=1200)
     parser.add_argument("--start", type=int, default=0, help="skip the first N prompts: extends a set made with "

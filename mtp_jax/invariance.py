@@ -28,6 +28,7 @@ from flax import nnx
 
 from mtp_jax import checkpoint
 from mtp_jax.errors import UserError, run_cli
+from mtp_jax.hub import MODEL_HELP
 from mtp_jax.models import loops
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
 from mtp_jax.models.causal_lm import CausalLM, LayerStack
@@ -131,7 +132,7 @@ def compare(model: CausalLM, prompts: list[list[int]], invariant: bool) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.invariance", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model folder or default (SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help=f"{MODEL_HELP} (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--prompts-file", default=str(EVAL_PROMPTS), help="a prompt a line, .txt or .jsonl "

@@ -26,6 +26,7 @@ from mtp_jax.decode import check_output_path, positive_int
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.families.registry import family_of
 from mtp_jax.files import write_atomically
+from mtp_jax.hub import local_path
 from mtp_jax.models.causal_lm import preferred_layout
 from mtp_jax.planning import PARAM_SIZED
 
@@ -50,7 +51,11 @@ def float_list(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m mtp_jax.plan", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="a checkpoint folder, or a folder or file holding only its config.json")
+    source.add_argument(
+        "--model",
+        help="a checkpoint folder or Hugging Face repo id ORG/NAME[@REVISION], or a folder or file holding only its "
+        "config.json",
+    )
     source.add_argument("--random-shape", help="a named shape (mtp_jax/shapes.py), e.g. deepseek-v3, qwen3.6-27b")
     parser.add_argument("--topology", required=True, help="v5e:2x4, v5p:4x4x4, v6e:4x4, v4:2x2x2, or cpu:N")
     parser.add_argument("--mesh", default="auto", help="data=D,model=M[,expert=E], or auto: every legal mesh, ranked")
@@ -74,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 def model_config(args):
     if args.random_shape:
         return shapes.shape(args.random_shape), args.random_shape
-    return shapes.config_from_path(args.model), os.path.basename(os.path.normpath(args.model))
+    config = shapes.config_from_path(local_path(args.model, files=["config.json"]))  # a repo id: its config only
+    return config, os.path.basename(os.path.normpath(args.model))
 
 
 def candidate_meshes(spec: str, target, cfg, batch: int) -> list[str]:

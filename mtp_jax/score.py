@@ -21,6 +21,7 @@ from flax import nnx
 from mtp_jax import checkpoint
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
+from mtp_jax.hub import MODEL_HELP
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 
@@ -123,7 +124,7 @@ def scored_sequences(path: str, items: list[str | list[int]]) -> tuple[list[str 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.score", description=__doc__.splitlines()[0])
-    parser.add_argument("--model")
+    parser.add_argument("--model", help=f"{MODEL_HELP} (default: the default model)")
     parser.add_argument("--head", help="MTP head folder from train_head")
     parser.add_argument("--prompts-file", required=True)
     parser.add_argument("--num-draft", type=int, required=True)

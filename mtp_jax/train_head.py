@@ -27,6 +27,7 @@ from mtp_jax.distill import distill
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import write_atomically
 from mtp_jax.heads import HEAD_CONFIG, save_head, trunk_fingerprint
+from mtp_jax.hub import MODEL_HELP
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.score import acceptance_counts, summarize, teacher_forced_predictions
 from mtp_jax.training import (
@@ -43,7 +44,7 @@ from mtp_jax.training import (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.train_head", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="trunk (default: the default model)")
+    parser.add_argument("--model", help=f"the trunk: {MODEL_HELP} (default: the default model)")
     parser.add_argument("--data", required=True, help="training JSONL (token sequences or prompts)")
     parser.add_argument("--eval-data", help="held-out JSONL for teacher-forced acceptance")
     parser.add_argument("--steps", type=int, required=True)
