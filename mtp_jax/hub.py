@@ -21,20 +21,10 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import validate_repo_id
 
 from mtp_jax.errors import UserError
+from mtp_jax.params.source import CONFIG_JSON, INDEX_JSON, TOKENIZER_FILES
 
-# What `load_model` reads from a Hugging Face folder: config, generation config, tokenizer, top-level weights.
-NEEDED_FILES = [
-    "config.json",
-    "generation_config.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "chat_template.*",
-    "*.safetensors",
-    "*.safetensors.index.json",
-]
+# What `load_model` reads from a Hugging Face folder: config, tokenizer and generation config, top-level weights.
+NEEDED_FILES = [CONFIG_JSON, *TOKENIZER_FILES, INDEX_JSON, "*.safetensors"]
 SUBFOLDERS = ["*/*"]  # e.g. original/, onnx/: other copies of the weights that a load never reads
 MODEL_HELP = "a Hugging Face folder or repo id ORG/NAME[@REVISION], a converted folder or a .gguf"
 REPO_REF = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^@\s]+))?")

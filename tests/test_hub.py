@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from huggingface_hub import constants
+from huggingface_hub.utils import filter_repo_objects
 
 import mtp_jax
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
 from mtp_jax.errors import ConversionError, UserError
-from mtp_jax.hub import local_path, names_a_model
+from mtp_jax.hub import NEEDED_FILES, SUBFOLDERS, local_path, names_a_model
 from mtp_jax.plan import model_config
 from tests.tiny_models import tiny_config
 
@@ -107,6 +108,16 @@ def test_repo_ids_revisions_and_local_paths(offline, tmp_path, monkeypatch):
     assert names_a_model("org/tiny") and names_a_model("other/repo@v1")
     with pytest.raises(ConversionError, match="a/b/c: no such file or folder"):
         mtp_jax.load_model("a/b/c")
+
+
+def test_only_the_files_a_load_reads_are_fetched():
+    """The patterns as huggingface_hub's snapshot_download applies them to a repo's file list."""
+    repo = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+            "README.md", ".gitattributes", "pytorch_model.bin", "original/consolidated.safetensors", "onnx/model.onnx",
+            "original/tokenizer.model"]  # fmt: skip
+    fetched = list(filter_repo_objects(repo, allow_patterns=NEEDED_FILES, ignore_patterns=SUBFOLDERS))
+    assert sorted(fetched) == sorted(repo[:8])
 
 
 def test_plan_reads_a_repo_ids_config(offline):
