@@ -81,7 +81,7 @@ def resolve(name: str, capacity_gib: float | None = None) -> Target:
             "(e.g. v5e:2x4, v5p:4x4x4), or cpu:N"
         )
     try:
-        from jax.experimental import topologies
+        from jax.experimental import topologies  # needs libtpu, an optional dependency (the tpu extra)
 
         desc = topologies.get_topology_desc(platform="tpu", topology_name=name, **_tpu_bounds(dims))
     except ImportError as e:
