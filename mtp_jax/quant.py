@@ -1,16 +1,16 @@
-"""Weights stored quantized and dequantized inside the jitted step: int8 weight-only with per-output-channel scales,
-and float8 e4m3 with block scales (the format DeepSeek-V3 / GLM-4.5-FP8 / Qwen FP8 checkpoints ship).
+"""Weights stored quantized and multiplied as stored inside the jitted step: int8 weight-only with per-output-channel
+scales, and float8 e4m3 with block scales (the format DeepSeek-V3 / GLM-4.5-FP8 / Qwen FP8 checkpoints ship).
 
 Decode reads every weight once per step, so its speed is the bytes it reads. A quantized matmul weight is a
 `QuantizedArray`: `values` in the weight's own shape (int8, or float8_e4m3fn) and float32 `scales` with one axis per
 weight axis, each of size 1 (one scale along the whole axis), the axis's size (a scale per element) or a divisor of
-it (a scale per block of consecutive elements). It sits in the weight's `nnx.Param`, and reading it (`param[...]`)
-gives `values * scales` (blocks expanded) in the model's dtype, computed inside the jitted program (no stored
-bfloat16 copy). Compiled for TPU, per-channel scales fuse into the matmul's operand when layers are unstacked (inside
-a layer scan the dequantized slice is materialized); block scales are expanded by a gather that XLA materializes, so
-fp8 saves memory, not yet bytes per step (docs/benchmarks.md, "Quantized weights on TPU"). Stacked layers stack both
-arrays; shardings follow the weight's logical axes (declared where it is created: `sharding.param_axes`); a scale
-axis that its mesh axes do not divide is replicated.
+it (a scale per block of consecutive elements). It sits in the weight's `nnx.Param`. The model's projections pass
+the stored value to `rowwise.project`, which multiplies by the stored values and applies the scales to the float32
+partial products (`quantized_einsum`): no dequantized copy of the weight is formed, and compiled for TPU a decode
+pass reads the weight at its stored size. Reading the parameter (`param[...]`) gives `values * scales` (blocks
+expanded) in the model's dtype, for the few places that need the weight itself (latent attention's absorbed kv_b,
+a prefill's grouped expert matmuls). Stacked layers stack both arrays; shardings follow the weight's logical axes
+(declared where it is created: `sharding.param_axes`); a scale axis that its mesh axes do not divide is replicated.
 
 - int8: symmetric, one scale per output channel (max |w| over the contracting axes / 127).
 - fp8: blocks of 128 x 128 as the checkpoints use them: 128 consecutive inputs (the contracting axes flattened) by
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import string
 from collections.abc import Sequence
 
 import jax
@@ -83,6 +84,11 @@ class QuantizedArray:
         return self.dequantize()[index]
 
 
+def dense(weight: jax.Array | QuantizedArray) -> jax.Array:
+    """A weight in its compute dtype: a quantized one dequantized, any other as it is."""
+    return weight.dequantize() if isinstance(weight, QuantizedArray) else weight
+
+
 def expand_blocks(scales: jax.Array, shape: Sequence[int]) -> jax.Array:
     """scales [..., n, ...] -> broadcastable to `shape`: an axis of n scales over d = n * b elements repeats each b
     times (axes of size 1 broadcast as they are)."""
@@ -90,6 +96,65 @@ def expand_blocks(scales: jax.Array, shape: Sequence[int]) -> jax.Array:
         if n not in (1, d):
             scales = jnp.repeat(scales, d // n, axis=axis, total_repeat_length=d)
     return scales
+
+
+def quantized_einsum(equation: str, x: jax.Array, weight: QuantizedArray) -> jax.Array:
+    """jnp.einsum(equation, x, weight.dequantize()) in float32, without forming the dequantized weight: the stored
+    values (exact in x's dtype: int8 and e4m3 fit bfloat16's mantissa) enter the matmul as they are, one partial
+    product per block of a contracting axis that the scales cut into blocks, and the scales multiply the float32
+    partial products, which are then added (each output element's blocks in order, whatever the number of rows). A
+    scale per output channel (int8) multiplies the product once. The weight's subscripts carry no "..."; x's may
+    start with it.
+
+    Compiled for TPU this reads the weight at its stored size: the block axis becomes a batch axis of the dot over
+    a free view of the weight ([K, N] as [K / b, b, N]), and the scaling and the sum fuse into the dot's output."""
+    inputs, out = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    values, scales = weight.values, weight.scales
+    free = iter(sorted(set(string.ascii_letters) - set(equation)))
+    blocks, scale_axes = "", []  # letters of the partial products' block axes; scales' axes as (letter, size)
+    for axis, letter in enumerate(rhs):
+        n, d = scales.shape[axis], weight.shape[axis]
+        if letter in out:  # an output axis: scales spread over its blocks
+            scales = _spread(scales, axis, d)
+            scale_axes.append((letter, scales.shape[axis]))
+        elif n == 1:  # one scale along the whole contracting axis
+            scale_axes.append((None, 1))
+        elif n == d:  # a scale per element: the axis stays in the partial products
+            blocks += letter
+            scale_axes.append((letter, n))
+        else:  # blocks of d / n: [.., d, ..] viewed as [.., n, d / n, ..]
+            block = next(free)
+            x = _split(x, lhs.removeprefix("...").index(letter) + x.ndim - len(lhs.removeprefix("...")), n)
+            values = _split(values, rhs.index(letter), n)
+            lhs, rhs = lhs.replace(letter, block + letter), rhs.replace(letter, block + letter)
+            blocks += block
+            scale_axes.append((block, n))
+    partial = jnp.einsum(f"{lhs},{rhs}->{blocks}{out}", x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+    kept = {letter: size for letter, size in scale_axes if letter}  # a whole contracting axis's scale dropped
+    scales = scales.reshape(list(kept.values()))
+    order = [letter for letter in blocks + out if letter in kept]
+    scales = jnp.transpose(scales, [list(kept).index(letter) for letter in order])
+    rows = partial.ndim - len(blocks) - len(out.removeprefix("..."))  # axes "..." stands for
+    shape = [kept[letter] for letter in blocks] + [1] * rows
+    shape += [kept.get(letter, 1) for letter in out.removeprefix("...")]
+    return jnp.sum(partial * scales.reshape(shape), axis=tuple(range(len(blocks))))  # fuses into the dot on TPU
+
+
+def _spread(scales: jax.Array, axis: int, size: int) -> jax.Array:
+    """scales with n values along `axis` -> `size` values, each repeated size / n times (a broadcast and a reshape,
+    which fuse; n = 1 or n = size: as they are)."""
+    n = scales.shape[axis]
+    if n in (1, size):
+        return scales
+    wide = jnp.expand_dims(scales, axis + 1)
+    wide = jnp.broadcast_to(wide, (*wide.shape[: axis + 1], size // n, *wide.shape[axis + 2 :]))
+    return wide.reshape(*scales.shape[:axis], size, *scales.shape[axis + 1 :])
+
+
+def _split(a: jax.Array, axis: int, n: int) -> jax.Array:
+    """a's `axis` of d elements viewed as [n, d / n] (consecutive elements in a block)."""
+    return a.reshape(*a.shape[:axis], n, a.shape[axis] // n, *a.shape[axis + 1 :])
 
 
 def axis_blocks(dims: Sequence[int], block: int) -> tuple[int, ...]:

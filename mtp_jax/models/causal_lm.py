@@ -114,7 +114,7 @@ class MtpModule(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, object]:
         e, h = self.token_norm(token_embeds), self.hidden_norm(hidden)
         fused = jnp.concatenate([h, e] if self.hidden_first else [e, h], axis=-1)  # [B, T, 2D]
-        x = project("BTE,ED->BTD", fused, self.proj[...])
+        x = project("BTE,ED->BTD", fused, self.proj.get_value())
         x, cache = self.block(x, positions, rope, cache, visible_from=visible_from)
         return x, self.final_norm(x), cache
 

@@ -40,10 +40,10 @@ class GatedAttention(Attention):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         with jax.named_scope("gated_attention"):
-            q = self.q_norm(project("BTD,DNH->BTNH", x, self.q_proj[...]))
-            k = self.k_norm(project("BTD,DKH->BTKH", x, self.k_proj[...]))
-            v = project("BTD,DKH->BTKH", x, self.v_proj[...])
+            q = self.q_norm(project("BTD,DNH->BTNH", x, self.q_proj.get_value()))
+            k = self.k_norm(project("BTD,DKH->BTKH", x, self.k_proj.get_value()))
+            v = project("BTD,DKH->BTKH", x, self.v_proj.get_value())
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, attention)
-            out = out * jax.nn.sigmoid(project("BTD,DNH->BTNH", x, self.gate_proj[...]))
-            return project("BTNH,NHD->BTD", out, self.o_proj[...]), k, v
+            out = out * jax.nn.sigmoid(project("BTD,DNH->BTNH", x, self.gate_proj.get_value()))
+            return project("BTNH,NHD->BTD", out, self.o_proj.get_value()), k, v

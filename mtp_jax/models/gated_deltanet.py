@@ -220,7 +220,7 @@ class GatedDeltaNet(nnx.Module):
     def _rule_inputs(self, x: jax.Array, state: DeltaNetState):
         """x [B, T, D] -> (q, k, v, g, beta float32 as the delta rule takes them, z [B, T, N, Y], conv window)."""
         cfg = self.cfg
-        mixed, window = causal_conv(project("BTD,DC->BTC", x, self.in_proj_qkv[...]), state.conv, self.conv[...])
+        mixed, window = causal_conv(project("BTD,DC->BTC", x, self.in_proj_qkv.get_value()), state.conv, self.conv[...])
         b, t, _ = mixed.shape
         q, k, v = jnp.split(mixed.astype(jnp.float32), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         groups = cfg.num_value_heads // cfg.num_key_heads
@@ -228,16 +228,16 @@ class GatedDeltaNet(nnx.Module):
         q = l2_normalize(q) / math.sqrt(cfg.key_head_dim)
         k = l2_normalize(k)
         v = v.reshape(b, t, cfg.num_value_heads, cfg.value_head_dim)
-        a = project("BTD,DN->BTN", x, self.in_proj_a[...]).astype(jnp.float32)
+        a = project("BTD,DN->BTN", x, self.in_proj_a.get_value()).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        beta = jax.nn.sigmoid(project("BTD,DN->BTN", x, self.in_proj_b[...])).astype(jnp.float32)
-        z = project("BTD,DNY->BTNY", x, self.in_proj_z[...])
+        beta = jax.nn.sigmoid(project("BTD,DN->BTN", x, self.in_proj_b.get_value())).astype(jnp.float32)
+        z = project("BTD,DNY->BTNY", x, self.in_proj_z.get_value())
         return q, k, v, g, beta, z, window
 
     def _output(self, core: jax.Array, z: jax.Array, dtype) -> jax.Array:
         """core [B, T, N, Y] float32, z [B, T, N, Y] -> [B, T, D]."""
         gated = self.norm(core.astype(dtype), z)
-        return project("BTNY,NYD->BTD", gated, self.out_proj[...])
+        return project("BTNY,NYD->BTD", gated, self.out_proj.get_value())
 
     def prefill(
         self,

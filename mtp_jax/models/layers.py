@@ -143,9 +143,9 @@ class Attention(nnx.Module):
         attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
-        q = project("BTD,DNH->BTNH", x, self.q_proj[...])
-        k = project("BTD,DKH->BTKH", x, self.k_proj[...])
-        v = project("BTD,DKH->BTKH", x, self.v_proj[...])
+        q = project("BTD,DNH->BTNH", x, self.q_proj.get_value())
+        k = project("BTD,DKH->BTKH", x, self.k_proj.get_value())
+        v = project("BTD,DKH->BTKH", x, self.v_proj.get_value())
         if self.has_qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
@@ -155,7 +155,7 @@ class Attention(nnx.Module):
         # Attend to the cache before this block (rollback is by length: later slots are stale) and, causally,
         # to the block itself; one softmax over both.
         out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, attention)  # [B,T,N,H]
-        out = project("BTNH,NHD->BTD", out, self.o_proj[...])
+        out = project("BTNH,NHD->BTD", out, self.o_proj.get_value())
         if self.o_bias is not None:
             out = out + self.o_bias[...]
         return out, k, v
@@ -177,11 +177,11 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:  # [B, T, D] -> [B, T, D]
         """`invariant` (batch-invariant decoding) changes nothing here: every row's sums are its own already."""
-        gate = project("BTD,DF->BTF", x, self.gate_proj[...])
-        up = project("BTD,DF->BTF", x, self.up_proj[...])
+        gate = project("BTD,DF->BTF", x, self.gate_proj.get_value())
+        up = project("BTD,DF->BTF", x, self.up_proj.get_value())
         if self.has_bias:
             gate, up = gate + self.gate_bias[...], up + self.up_bias[...]
-        out = project("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...])
+        out = project("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj.get_value())
         return out + self.down_bias[...] if self.has_bias else out
 
 

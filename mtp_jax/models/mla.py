@@ -77,12 +77,12 @@ class MultiHeadLatentAttention(nnx.Module):
 
     def queries(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, N, H+P]
         if self.q_proj is not None:
-            return project("BTD,DNJ->BTNJ", x, self.q_proj[...])
-        q_latent = self.q_a_norm(project("BTD,DQ->BTQ", x, self.q_a_proj[...]))
-        return project("BTQ,QNJ->BTNJ", q_latent, self.q_b_proj[...])
+            return project("BTD,DNJ->BTNJ", x, self.q_proj.get_value())
+        q_latent = self.q_a_norm(project("BTD,DQ->BTQ", x, self.q_a_proj.get_value()))
+        return project("BTQ,QNJ->BTNJ", q_latent, self.q_b_proj.get_value())
 
     def latents(self, x: jax.Array, rope) -> jax.Array:  # [B, T, D] -> [B, T, C]: what the cache stores
-        kv = project("BTD,DC->BTC", x, self.kv_a_proj[...])
+        kv = project("BTD,DC->BTC", x, self.kv_a_proj.get_value())
         latent = self.kv_a_norm(kv[..., : self.latent_rank])  # [B, T, R]
         rope_key = apply_rope(kv[:, :, None, self.latent_rank :], *rope, interleaved=self.interleaved)[:, :, 0]
         return jnp.concatenate([latent, rope_key], axis=-1)
@@ -126,7 +126,7 @@ class MultiHeadLatentAttention(nnx.Module):
         else:
             attend = self._absorbed if absorb else self._expanded
             out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards, attention == "chunked")
-        return project("BTNW,NWD->BTD", out, self.o_proj[...]), block
+        return project("BTNW,NWD->BTD", out, self.o_proj.get_value()), block
 
     def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool):
         """Per-head keys and values from every latent, then ordinary attention (`chunked`: chunk by chunk, expanding

@@ -22,14 +22,18 @@ Einsum letters (with those of layers.py): M tokens (B * T flattened), E experts,
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers import SwiGLU, init_weight
 from mtp_jax.models.rowwise import project, row_sum
+from mtp_jax.quant import QuantizedArray, dense
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # [E, D, F], [E, D, F], [E, F, D]
 EXPERT_AXES = {  # the routed experts' logical axes, declared where MoE and SoftmaxMoE create them
@@ -68,6 +72,7 @@ def routed_experts(
         return _every_expert(x, weights, ids, gate, up, down)
     if invariant:
         return _every_expert_in_tiles(x, weights, ids, gate, up, down)
+    gate, up, down = (dense(w) for w in (gate, up, down))  # a prefill's grouped matmuls take the weights in x's dtype
     mine = (ids >= 0) & (ids < local)
     flat = jnp.where(mine, ids, local).reshape(-1)  # [M * O]; other shards' rows get id E: sorted last, no group
     order = jnp.argsort(flat)  # rows sorted by expert (stable)
@@ -87,8 +92,10 @@ def _every_expert(x, weights, ids, gate, up, down) -> jax.Array:
     e, f, d = down.shape
     mix = jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, e, dtype=jnp.float32))  # [M, E]
     hidden = jax.nn.silu(project("MD,EDF->MEF", x, gate)) * project("MD,EDF->MEF", x, up)  # [M, E, F]
-    mixed = (hidden * mix[..., None]).astype(hidden.dtype).reshape(-1, e * f)  # [M, E * F]
-    return project("MX,XD->MD", mixed, down.reshape(e * f, d), jnp.float32)
+    mixed = (hidden * mix[..., None]).astype(hidden.dtype)  # [M, E, F]
+    if isinstance(down, QuantizedArray):  # scales per expert and block: the products summed over E outside the dot
+        return project("MEF,EFD->MD", mixed, down, jnp.float32)
+    return project("MX,XD->MD", mixed.reshape(-1, e * f), down.reshape(e * f, d), jnp.float32)
 
 
 def _every_expert_in_tiles(x, weights, ids, gate, up, down) -> jax.Array:
@@ -121,7 +128,27 @@ def _expert_parallel(rules: sharding.ShardingRules, params: tuple[jax.Array, ...
     split = tuple(a for a in rules.mesh.axis_names if a in expert_axes + width)
     if all(rules.mesh.shape[a] == 1 for a in split) or embed or set(_mesh_axes(rows[0])) & set(split):
         return None
+    if any(isinstance(p, QuantizedArray) for p in params):
+        specs = tuple(_quantized_spec(rules, spec, p) for spec, p in zip(specs, params, strict=True))
+        if None in specs:
+            return None
     return rows, specs, expert_axes, split
+
+
+def _quantized_spec(
+    rules: sharding.ShardingRules, spec: PartitionSpec, weight
+) -> PartitionSpec | QuantizedArray | None:
+    """The shard_map spec of an expert weight whose values lie as `spec`: for a quantized one, its scales split as
+    its values (an axis of one scale: whole on every shard); None where a shard would hold part of a scale block."""
+    if not isinstance(weight, QuantizedArray):
+        return spec
+    parts = []
+    for part, n in zip(spec, weight.scales.shape, strict=True):
+        shards = math.prod(rules.mesh.shape[a] for a in _mesh_axes(part))
+        if n > 1 and n % shards:
+            return None
+        parts.append(None if n == 1 else part)
+    return QuantizedArray(spec, PartitionSpec(*parts), weight.dtype)
 
 
 class MoE(nnx.Module):
@@ -163,7 +190,7 @@ class MoE(nnx.Module):
         """Routed outputs [B, T, D] of x [B, T, D] (routing weights, expert ids [B, T, O]): each (token, pick) row
         goes through its own expert only; where the rules split the expert weights, on the shards holding it.
         `invariant`: the batch-invariant form (`routed_experts`)."""
-        params = tuple(getattr(self, name)[...] for name in EXPERT_WEIGHTS)
+        params = tuple(getattr(self, name).get_value() for name in EXPERT_WEIGHTS)  # quantized ones as stored
         rules = sharding.active_rules()
         plan = None if rules is None else _expert_parallel(rules, params, x.shape)
         if plan is None:

@@ -23,20 +23,25 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mtp_jax.quant import QuantizedArray, quantized_einsum
 from mtp_jax.sharding import active_platform
 
 
-def project(equation: str, x: jax.Array, weight: jax.Array, out_dtype=None) -> jax.Array:
-    """jnp.einsum(equation, x, weight) with float32 results rounded to `out_dtype` (default: x's dtype). x's axes
-    that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows; "...D,DV->...V": every leading
-    axis; "EMF,EFD->EMD": M rows for each E); a single row is computed beside a copy of itself. A batch of matmuls
+def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out_dtype=None) -> jax.Array:
+    """jnp.einsum(equation, x, weight) with float32 results rounded to `out_dtype` (default: x's dtype); a weight
+    stored quantized goes in as stored (`quant.quantized_einsum`: pass the parameter's value, not `param[...]`,
+    which dequantizes). x's axes that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows;
+    "...D,DV->...V": every leading axis; "EMF,EFD->EMD": M rows for each E); a single row is computed beside a
+    copy of itself. A batch of matmuls
     (an axis of x and the weight that the output keeps, e.g. latent attention's per-head absorption) keeps x's
     dtype out, as plain einsum does: XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     row_axis = _single_row_axis(equation, x)
     if row_axis is not None:
         x = jnp.concatenate([x, x], axis=row_axis[0])
-    if _batched(equation) and out_dtype == x.dtype:
+    if isinstance(weight, QuantizedArray):  # the stored values in the matmul, the scales on its partial products
+        out = quantized_einsum(equation, x, weight).astype(out_dtype)
+    elif _batched(equation) and out_dtype == x.dtype:
         out = jnp.einsum(equation, x, weight)
     else:
         out = jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
