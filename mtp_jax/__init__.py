@@ -1,10 +1,11 @@
 """MTP self-speculative decoding in JAX/Flax."""
 
-from mtp_jax.checkpoint import load_model
+from mtp_jax.checkpoint import load, load_model
 from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
 from mtp_jax.models.causal_lm import CausalLM, unstack_layers
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative import GenerateOutput, generate
+from mtp_jax.text import TextOutput, TextResult, generate_text
 
 __all__ = [
     "CausalLM",
@@ -14,7 +15,11 @@ __all__ = [
     "MtpConfig",
     "RopeConfig",
     "SamplingParams",
+    "TextOutput",
+    "TextResult",
     "generate",
+    "generate_text",
+    "load",
     "load_model",
     "unstack_layers",
 ]

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mtp_jax import checkpoint
+from mtp_jax import checkpoint, compile_cache
 from mtp_jax.cache import cache_slots
 from mtp_jax.config import DecodeConfig
 from mtp_jax.decode import add_storage_arguments, positive_int
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_arguments(parser)
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
+    compile_cache.add_argument(parser)
     return parser
 
 
@@ -454,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.command = "python -m mtp_jax.bench " + shlex.join(argv)
-    return run_cli(report, args)
+    with compile_cache.active(args.no_compile_cache):
+        return run_cli(report, args)
 
 
 if __name__ == "__main__":

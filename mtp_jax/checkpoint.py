@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from mtp_jax.conversion.convert import config_of
 from mtp_jax.conversion.placement import read_params
-from mtp_jax.default_model import default_gguf_path
+from mtp_jax.default_cache import load_default
 from mtp_jax.heads import attach_head, head_for
 from mtp_jax.hub import local_path
 from mtp_jax.models.causal_lm import CausalLM
@@ -63,7 +63,7 @@ def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):
     rules = rules_for(mesh)
     dtype = jnp.dtype(dtype or default_dtype())
     if path is None:
-        path = default_gguf_path()
+        return load_default(dtype, rules)
     if os.path.isdir(path) and is_converted(path):
         from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
 

@@ -16,22 +16,18 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
-from tqdm import tqdm
 
-from mtp_jax import checkpoint, speculative, stats
-from mtp_jax.cache import cache_slots
+from mtp_jax import checkpoint, compile_cache, stats
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS, DecodeConfig
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
 from mtp_jax.hub import MODEL_HELP, names_a_model
 from mtp_jax.models import causal_lm
-from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_records
-from mtp_jax.sampling import SamplingParams
-from mtp_jax.sharding import make_mesh, to_host
+from mtp_jax.prompts import encode_prompts, read_prompt_records
+from mtp_jax.sharding import make_mesh
+from mtp_jax.text import batch_rows, check_budget, decode_batches, row_sampling
 
 
 def positive_int(text: str) -> int:
@@ -82,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_arguments(parser)
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--stats-json", help="write decode statistics here")
+    compile_cache.add_argument(parser)
     return parser
 
 
@@ -149,47 +146,6 @@ def check_output_path(path: str, option: str) -> None:
         raise UserError(f"{option} {path}: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"{option} {path}: cannot write in {ancestor}")
-
-
-def check_budget(model, prompts, cfg, batch_size: int) -> None:
-    """Refuse, before compiling, a budget past the model's context, or caches and parameters that cannot fit in the
-    memory of a device (of the machine, on CPU)."""
-    longest, context = max(len(p.token_ids) for p in prompts), model.config.max_position_embeddings
-    if longest + cfg.max_new_tokens > context:
-        raise UserError(f"--max-new-tokens {cfg.max_new_tokens}: the longest prompt ({longest} tokens) and the budget "
-                        f"take {longest + cfg.max_new_tokens} positions; the model's context is {context}")  # fmt: skip
-    slots = cache_slots(bucket(longest), cfg)
-    caches = jax.eval_shape(
-        lambda: (model.new_cache(batch_size, slots), model.new_mtp_cache(batch_size, slots) if cfg.num_draft else ())
-    )
-    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    devices = 1 if model.sharding_rules is None else model.sharding_rules.mesh.size
-    need = cache_bytes + param_bytes
-    capacity, where = memory_capacity(model)
-    if capacity is not None and need / devices > capacity:
-        gib = lambda n: f"{n / 2**30:.1f} GiB"
-        spread = f" ({gib(need / devices)} on each of {devices} devices)" if devices > 1 else ""
-        raise UserError(
-            f"--max-new-tokens {cfg.max_new_tokens} with --batch-size {batch_size}: the caches ({gib(cache_bytes)}) "
-            f"and the parameters ({gib(param_bytes)}) need {gib(need)}{spread}, more than the {gib(capacity)} of "
-            f"{where}"
-        )
-
-
-def memory_capacity(model) -> tuple[int | None, str]:
-    """The bytes one device of the model may hold, and what they are: the machine's RAM, shared by this process's CPU
-    devices, or one accelerator's memory limit (None where the platform does not say)."""
-    device = jax.local_devices()[0]
-    if device.platform != "cpu":
-        return (device.memory_stats() or {}).get("bytes_limit"), f"one {device.device_kind}"
-    mesh = None if model.sharding_rules is None else model.sharding_rules.mesh
-    local = 1 if mesh is None else sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None, "this machine"
-    return ram // local, "this machine's RAM" + (f" shared by {local} devices" if local > 1 else "")
 
 
 ROW_SETTINGS = ("model", "head", "dtype", "weights", "no_mtp", "num_draft", "adaptive", "round_costs", "invariant",
@@ -371,32 +327,15 @@ def run(args) -> int:
 def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) -> dict | None:
     """Decode the prompts from `done` on, batch by batch, each batch's rows to `output` (process 0) as it finishes;
     the statistics summary of the run (None when every row was already done)."""
+    start = time.perf_counter()
     model, tokenizer, prompts, decode_cfg, batch_size = load_for_decoding(args, records)
-    todo = prompts[done:]
-    if not todo:
+    load_seconds = time.perf_counter() - start
+    if not prompts[done:]:
         return None
-    batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
-    row_sampling = per_row_sampling(args, [overrides for _, overrides in records])
-    compiled, compile_seconds, wall, counters, generated_tokens = {}, 0.0, 0.0, None, 0
-    for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2 or not lead, file=sys.stderr):
-        width = bucket(max(len(p.token_ids) for p in batch))
-        ids, lens = pad_batch(batch, batch_size, width)
-        rows = np.asarray([p.index for p in batch] + [batch[0].index] * (batch_size - len(batch)))
-        keys, sampling = row_sampling(rows)
-        if width not in compiled:
-            start = time.perf_counter()
-            compiled[width] = speculative.compile_generate(model, ids, lens, keys, decode_cfg, sampling)
-            compile_seconds += time.perf_counter() - start
-        start = time.perf_counter()
-        out = jax.block_until_ready(compiled[width](model, ids, lens, keys, decode_cfg, sampling))
-        wall += time.perf_counter() - start
-        counters = stats.add(counters, out.stats)
-        finished = output_rows(batch, out, tokenizer)
-        generated_tokens += sum(row["num_tokens"] for row in finished)
-        if lead:
-            output.write(finished)
-    return stats.summarize(counters, num_draft=decode_cfg.num_draft, generated_tokens=generated_tokens, wall=wall,
-                           compile_seconds=compile_seconds)  # fmt: skip
+    sampling = row_sampling(decode_cfg, args.seed, [overrides for _, overrides in records])
+    write = (lambda results: output.write([r.row() for r in results])) if lead else (lambda results: None)
+    summary = decode_batches(model, tokenizer, prompts[done:], decode_cfg, batch_size, sampling, write, progress=lead)
+    return {"load_seconds": load_seconds, **summary}
 
 
 def load_for_decoding(args, records) -> tuple:
@@ -420,10 +359,7 @@ def load_for_decoding(args, records) -> tuple:
     if args.adaptive and num_draft == 0:
         raise UserError("--adaptive needs drafts: a model with an MTP head and --num-draft > 0")
     decode_cfg = decode_config(args, num_draft)
-    batch_size = min(args.batch_size, len(prompts))
-    if model.sharding_rules is not None:  # every data shard gets the same number of rows (padding repeats a row)
-        shards = model.sharding_rules.axis_size("batch")
-        batch_size = -(-batch_size // shards) * shards
+    batch_size = batch_rows(model, args.batch_size, len(prompts))
     check_budget(model, prompts, decode_cfg, batch_size)
     return model, tokenizer, prompts, decode_cfg, batch_size
 
@@ -444,25 +380,6 @@ def decode_config(args, num_draft: int) -> DecodeConfig:
         raise UserError(str(e)) from None
 
 
-def output_rows(batch, out, tokenizer) -> list[dict]:
-    """The output rows of a batch's prompts from `generate`'s output (padding rows past them dropped)."""
-    tokens, lengths, by_eos = (to_host(x) for x in (out.tokens, out.lengths, out.finished_by_eos))
-    finished = []
-    for row, prompt in enumerate(batch):
-        generated = tokens[row, : lengths[row]].tolist()
-        finished.append(
-            {
-                "index": prompt.index,
-                "prompt": prompt.text if prompt.text is not None else list(prompt.token_ids),
-                "text": tokenizer.decode(generated, skip_special_tokens=True) if tokenizer else "",
-                "token_ids": generated,
-                "num_tokens": len(generated),
-                "finish_reason": "eos" if by_eos[row] else "length",
-            }
-        )
-    return finished
-
-
 def read_records(args) -> list[tuple[str | list[int], dict]]:
     """(prompt, per-row sampling overrides) for each prompt."""
     if args.prompts_file:
@@ -470,38 +387,10 @@ def read_records(args) -> list[tuple[str | list[int], dict]]:
     return [(prompt, {}) for prompt in args.prompt]
 
 
-def per_row_sampling(args, overrides: list[dict]):
-    """A function of prompt indices [B] -> (one key per row [B], SamplingParams or None when every row is greedy).
-
-    A row's key is `key(seed)` when its line sets a seed, else `fold_in(key(--seed), prompt index)`: every row has
-    its own stream, whatever rows share its batch.
-    """
-    defaults = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-    table = {name: np.array([o.get(name, value) for o in overrides]) for name, value in defaults.items()}
-    base_key = jax.random.key(args.seed)
-    own_seed = [o.get("seed") for o in overrides]
-    all_greedy = not table["temperature"].any()
-
-    def for_rows(rows: np.ndarray):
-        keys = jnp.stack([
-            jax.random.key(own_seed[r]) if own_seed[r] is not None else jax.random.fold_in(base_key, int(r))
-            for r in rows
-        ])  # fmt: skip
-        if all_greedy:
-            return keys, None
-        sampling = SamplingParams(
-            temperature=jnp.asarray(table["temperature"][rows], jnp.float32),
-            top_k=jnp.asarray(table["top_k"][rows], jnp.int32),
-            top_p=jnp.asarray(table["top_p"][rows], jnp.float32),
-        )
-        return keys, sampling
-
-    return for_rows
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli(run, args)
+    with compile_cache.active(args.no_compile_cache):
+        return run_cli(run, args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mtp_jax import checkpoint
+from mtp_jax import checkpoint, compile_cache
 from mtp_jax.config import DecodeConfig
 from mtp_jax.data.prompt_builder import build_prompts
 from mtp_jax.errors import UserError, run_cli
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled ones "
                         "(sampled answers teach a head the text it drafts for under sampling)")  # fmt: skip
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
+    compile_cache.add_argument(parser)
     return parser
 
 
@@ -106,7 +107,9 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(run, build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    with compile_cache.active(args.no_compile_cache):
+        return run_cli(run, args)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,17 @@ def add(total: dict | None, stats: DecodeStats) -> dict:
     return {name: total[name] + batch[name] for name in total}
 
 
-def summarize(counters: dict, *, num_draft: int, generated_tokens: int, wall: float, compile_seconds: float) -> dict:
-    """The stats JSON of `python -m mtp_jax.decode` (see the contract)."""
+def summarize(
+    counters: dict,
+    *,
+    num_draft: int,
+    generated_tokens: int,
+    wall: float,
+    compile_seconds: float,
+    compile_from_cache: bool = False,
+) -> dict:
+    """The stats JSON of `python -m mtp_jax.decode` (see the contract); `compile_from_cache`: every decode program
+    was read from the persistent compilation cache (`compile_cache`)."""
     row_rounds = max(int(counters["row_rounds"]), 1)
     drafted = int(counters["drafted"])
     reached = counters["reached"]
@@ -34,6 +43,7 @@ def summarize(counters: dict, *, num_draft: int, generated_tokens: int, wall: fl
         "tokens_per_second": generated_tokens / wall if wall > 0 else 0.0,
         "wall_seconds": wall,
         "compile_seconds": compile_seconds,
+        "compile_from_cache": compile_from_cache,
         "device": describe_device(),
     }
 
@@ -47,10 +57,17 @@ def summary_paragraph(stats: dict, num_prompts: int) -> str:
     per_position = ", ".join(f"{p:.2f}" for p in stats["acceptance_per_position"])
     text = (
         f"Generated {stats['generated_tokens']} tokens for {num_prompts} prompt(s) in {stats['wall_seconds']:.2f}s "
-        f"({stats['tokens_per_second']:.1f} tokens/s; compile {stats['compile_seconds']:.1f}s apart) "
+        f"({stats['tokens_per_second']:.1f} tokens/s; {setup(stats)} apart) "
         f"on {stats['device']} with {stats['num_draft']} draft(s) per round: "
         f"mean accepted length {stats['mean_accepted_length']:.2f} tokens per verify round"
     )
     if stats["num_draft"]:
         text += f", acceptance rate {stats['acceptance_rate']:.2f}, per position [{per_position}]"
     return text + "."
+
+
+def setup(stats: dict) -> str:
+    """What came before decoding: "load 0.4s, compile 0.3s (from the cache)"."""
+    load = f"load {stats['load_seconds']:.1f}s, " if "load_seconds" in stats else ""
+    cached = " (from the cache)" if stats.get("compile_from_cache") else ""
+    return f"{load}compile {stats['compile_seconds']:.1f}s{cached}"

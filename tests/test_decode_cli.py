@@ -26,7 +26,9 @@ STATS_FIELDS = {
     "acceptance_per_position",
     "tokens_per_second",
     "wall_seconds",
+    "load_seconds",
     "compile_seconds",
+    "compile_from_cache",
     "device",
 }
 

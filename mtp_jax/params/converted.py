@@ -1,5 +1,6 @@
-"""A converted folder (written by `python -m checkpoints_convert`): its model config, checked field by field
-against the dataclasses, and its orbax parameters, restored straight into their shardings."""
+"""A converted folder (written by `python -m checkpoints_convert`, or the warm-start cache of the default model): its
+model config, checked field by field against the dataclasses, and its parameters (orbax, or one safetensors file),
+restored straight into their shardings."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.errors import ConversionError
 from mtp_jax.models.causal_lm import CausalLM, model_param_axes
 from mtp_jax.params.source import read_json_object
+from mtp_jax.params.state_file import STATE_FILE, read_state
 from mtp_jax.params.tree import CONFIG_FILE, PARAMS_DIR, abstract_params, assemble, nest
 from mtp_jax.sharding import ShardingRules
 
@@ -86,8 +88,11 @@ def _field_value(hint, value, name: str):
 
 
 def restore_converted(path: str, dtype, rules: ShardingRules | None) -> CausalLM:
-    """Orbax restores every parameter straight into its target sharding (or onto the default device)."""
+    """Every parameter restored straight into its target sharding (or onto the default device): from the folder's
+    `params.safetensors` where it has one (`state_file`), else by orbax from its `params/` checkpoint."""
     cfg = read_converted_config(os.path.join(path, CONFIG_FILE))
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return assemble(cfg, read_state(os.path.join(path, STATE_FILE), cfg, dtype, rules), dtype, rules)
 
     layouts = model_param_axes(cfg, dtype)
 

@@ -34,9 +34,10 @@ DTYPES = {
 
 
 class SafetensorsFile:
-    """One `.safetensors` file, header parsed and checked, data memory-mapped."""
+    """One `.safetensors` file, header parsed and checked, data memory-mapped (`copy_on_write`: writable views
+    whose writes stay in this process; else read-only)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, copy_on_write: bool = False):
         self.path = path
         size = os.path.getsize(path)
         name = os.path.basename(path)
@@ -67,7 +68,7 @@ class SafetensorsFile:
             if end - start != math.prod(shape) * dtype.itemsize:
                 raise ConversionError(f"{name}: tensor {tname} byte size does not match its shape {shape}")
             self._entries[tname] = (dtype, shape, start, end)
-        self._map = np.memmap(path, dtype=np.uint8, mode="r") if self._entries else None
+        self._map = np.memmap(path, dtype=np.uint8, mode="c" if copy_on_write else "r") if self._entries else None
 
     def names(self) -> list[str]:
         return list(self._entries)

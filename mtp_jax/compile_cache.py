@@ -1,0 +1,77 @@
+"""JAX's persistent compilation cache for the command-line tools: compiled programs kept on disk under the cache
+folder, so a second run with the same model, shapes and settings loads its decode loop instead of compiling it.
+
+On by default for the tools that compile the decode loop; `--no-compile-cache` or `MTP_JAX_NO_COMPILE_CACHE=1` turn
+it off. A folder the user gave JAX itself (`JAX_COMPILATION_CACHE_DIR`) is kept. Hits are counted from JAX's
+monitoring events, so a caller can tell whether a compile came from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterator
+
+import jax
+
+from mtp_jax.default_model import cache_dir
+
+OFF_ENV = "MTP_JAX_NO_COMPILE_CACHE"
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+MAX_BYTES = 4 << 30  # least recently used programs go past this
+
+_hits = [0]  # cache hits seen in this process (a list: the listener adds to it)
+_listening = [False]
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-compile-cache", action="store_true", help="compile every program afresh: do not "
+                        f"read or write the persistent compilation cache (also ${OFF_ENV}=1)")  # fmt: skip
+
+
+def folder() -> str:
+    """Where compiled programs are kept: `JAX_COMPILATION_CACHE_DIR` when set, else `<cache folder>/xla`."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla")
+
+
+@contextlib.contextmanager
+def active(off: bool = False) -> Iterator[str | None]:
+    """The persistent cache on while the block runs (unless `off`, or `$MTP_JAX_NO_COMPILE_CACHE` is set to anything
+    but "" or "0"), JAX's settings as they were after it; yields the folder it uses, or None when off. A fresh
+    process must enter it before its first compile: JAX decides once per process whether it uses the cache.
+
+    Every program is kept, however small or quick to compile (JAX's defaults keep only those that took a second):
+    a run's small programs (placing parameters, splitting keys) add up to a good part of a warm start."""
+    if off or os.environ.get(OFF_ENV, "") not in ("", "0"):
+        yield None
+        return
+    path = folder()
+    settings = {
+        "jax_enable_compilation_cache": True,
+        "jax_compilation_cache_dir": path,
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+        "jax_compilation_cache_max_size": MAX_BYTES,
+    }
+    before = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    if not _listening[0]:
+        jax.monitoring.register_event_listener(_on_event)
+        _listening[0] = True
+    try:
+        yield path
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == HIT_EVENT:
+        _hits[0] += 1
+
+
+def hits() -> int:
+    """Programs loaded from the persistent cache so far in this process."""
+    return _hits[0]

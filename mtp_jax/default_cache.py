@@ -1,0 +1,151 @@
+"""The default model converted once into the cache folder, and loaded from there afterwards.
+
+Dequantizing the GGUF (and building its tokenizer with transformers) takes seconds on every load; the first load
+writes what it read as a converted folder, `<cache>/converted/<gguf name>-<dtype>-<key>/`: the model config, the
+parameters as one memory-mapped safetensors file (`params/state_file.py`), the tokenizer files and `source.json`
+(what it was converted from). The key hashes the GGUF's path, size and modification time, the dtype, the mtp_jax
+version and FORMAT: another GGUF, package version or dtype converts afresh.
+
+The folder is written beside its place and renamed into it (`conversion/writer.py`): a killed conversion leaves no
+folder that a load reads, and the next conversion removes what it left. A folder that cannot be read back (a tensor
+missing, a file cut short) is converted again, with a note; one that cannot be written (a read-only cache) is not
+needed: the model is used as read, with a note. Several processes converting at once take turns (a lock file).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from mtp_jax.conversion.convert import config_of
+from mtp_jax.conversion.placement import read_params
+from mtp_jax.conversion.writer import write_folder
+from mtp_jax.default_model import cache_dir, default_gguf_path
+from mtp_jax.errors import ConversionError
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.params.converted import restore_converted
+from mtp_jax.params.open_source import open_source
+from mtp_jax.params.state_file import STATE_FILE, write_state
+from mtp_jax.params.tree import CONFIG_FILE, assemble, nest
+from mtp_jax.sharding import ShardingRules
+from mtp_jax.text_tokenizer import TOKENIZER_JSON, TextTokenizer
+
+FORMAT = 1  # raise when what a cached folder holds, or how the GGUF is read, changes
+SOURCE_FILE = "source.json"  # what the folder was converted from: the fields of its key
+CONVERTED = "converted"
+
+
+def source_fields(gguf: str, dtype) -> dict:
+    """What the cached conversion of `gguf` in `dtype` depends on."""
+    stat = os.stat(gguf)
+    return {
+        "format": FORMAT,
+        "mtp_jax": package_version(),
+        "gguf": os.path.realpath(gguf),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "dtype": np.dtype(dtype).name,
+    }
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("mtp_jax")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+def cached_folder(gguf: str, dtype) -> str:
+    """Where the conversion of `gguf` in `dtype` is kept."""
+    fields = source_fields(gguf, dtype)
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(gguf))[0]
+    return os.path.join(cache_dir(), CONVERTED, f"{stem}-{fields['dtype']}-{key}")
+
+
+def load_default(dtype, rules: ShardingRules | None) -> tuple[CausalLM, object]:
+    """(model, tokenizer) of the default model, from its cached conversion (made now if missing or broken)."""
+    gguf = default_gguf_path()
+    if jax.process_count() > 1:  # every process would write the cache: each reads the GGUF instead
+        return read_gguf(gguf, dtype, rules)
+    folder = cached_folder(gguf, dtype)
+    loaded = read_cached(folder, gguf, dtype, rules)
+    if loaded is not None:
+        return loaded
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        lock = open(f"{folder}.lock", "w")
+    except OSError as e:
+        return cannot_keep(folder, e, read_gguf(gguf, dtype, rules))
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process converting: wait, then use its folder
+        loaded = read_cached(folder, gguf, dtype, rules)
+        if loaded is not None:
+            return loaded
+        print(f"mtp_jax: converting the default model once into {folder}", file=sys.stderr)
+        model, tokenizer = read_gguf(gguf, dtype, None)
+        try:
+            write_cached(folder, model, tokenizer, source_fields(gguf, dtype))
+        except (OSError, ConversionError) as e:
+            return cannot_keep(folder, e, (model, tokenizer) if rules is None else read_gguf(gguf, dtype, rules))
+    if rules is None:
+        return model, tokenizer
+    return restore_converted(folder, dtype, rules), tokenizer  # placed straight into the shardings
+
+
+def cannot_keep(folder: str, error: Exception, loaded: tuple[CausalLM, object]) -> tuple[CausalLM, object]:
+    """`loaded`, after a note that the cache could not be written."""
+    print(f"mtp_jax: cannot keep the converted default model in {folder} ({error}); the GGUF is read on every run",
+          file=sys.stderr)  # fmt: skip
+    return loaded
+
+
+def read_gguf(gguf: str, dtype, rules: ShardingRules | None) -> tuple[CausalLM, object]:
+    """(model, transformers tokenizer) read from the GGUF itself."""
+    source = open_source(gguf)
+    cfg = config_of(source)
+    params = read_params(source, cfg, dtype, rules)
+    return assemble(cfg, nest(params), dtype, rules), source.load_tokenizer()
+
+
+def read_cached(folder: str, gguf: str, dtype, rules: ShardingRules | None) -> tuple[CausalLM, object] | None:
+    """(model, tokenizer) from the cached folder; None when there is none. A folder that is not whole or not of
+    this source is removed (under the caller's lock, or harmlessly: writers rename whole folders into place)."""
+    if not os.path.isdir(folder):
+        return None
+    try:
+        with open(os.path.join(folder, SOURCE_FILE), encoding="utf-8") as f:
+            if json.load(f) != source_fields(gguf, dtype):
+                raise ConversionError(f"{folder}: converted from another source")
+        model = restore_converted(folder, dtype, rules)
+        return model, TextTokenizer.from_folder(folder)
+    except (OSError, ValueError, ConversionError) as e:
+        print(f"mtp_jax: the cached default model cannot be used ({e}); converting it again", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+
+def write_cached(folder: str, model: CausalLM, tokenizer, fields: dict) -> None:
+    """Write the converted folder of `model` (on one device) and its transformers `tokenizer`, atomically."""
+    params = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
+
+    def fill(tmp: str) -> None:
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            f.write(model.config.to_json())
+        tokenizer.save_pretrained(tmp)
+        if not os.path.isfile(os.path.join(tmp, TOKENIZER_JSON)):
+            raise ConversionError(f"the default model's tokenizer wrote no {TOKENIZER_JSON}")
+        write_state(os.path.join(tmp, STATE_FILE), params)
+        with open(os.path.join(tmp, SOURCE_FILE), "w") as f:
+            json.dump(fields, f, indent=2)  # last: a folder without it is never used
+
+    write_folder(folder, True, fill)
