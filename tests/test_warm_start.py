@@ -1,0 +1,99 @@
+"""Warm starts: the persistent compilation cache (hit on a second run; off with the flag or the environment
+variable) and the default model's cached conversion (the same tokens as reading the GGUF; a killed or broken
+conversion never used), in a fresh cache folder of their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp_jax import compile_cache, default_cache
+from mtp_jax.default_model import CACHE_ENV, GGUF_ENV
+from mtp_jax.params.state_file import STATE_FILE
+from mtp_jax.text_tokenizer import TextTokenizer
+
+pytestmark = pytest.mark.slow  # the real default model, in fresh processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "Explain speculative decoding in one paragraph."
+
+
+def decode(env: dict, tmp_path, name: str, *extra: str) -> tuple[str, str, dict]:
+    """(stdout, stderr, stats) of the README's command in a fresh process (8 tokens)."""
+    stats = tmp_path / f"{name}.json"
+    command = [sys.executable, "-m", "mtp_jax.decode", "--prompt", PROMPT, "--max-new-tokens", "8"]
+    done = subprocess.run([*command, "--stats-json", str(stats), *extra], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout, done.stderr, json.loads(stats.read_text())
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, smollm2_path) -> dict:
+    """The environment of a fresh cache folder, and the first run's output in it."""
+    folder = tmp_path_factory.mktemp("mtp_jax_cache")
+    env = {k: v for k, v in os.environ.items() if k not in (compile_cache.OFF_ENV, "JAX_COMPILATION_CACHE_DIR")}
+    env.update({CACHE_ENV: str(folder), GGUF_ENV: smollm2_path})
+    out, err, stats = decode(env, folder, "first")
+    return {"env": env, "folder": folder, "first": (out, err, stats)}
+
+
+def test_second_run_reads_both_caches_and_gives_the_same_tokens(cache):
+    out, err, stats = cache["first"]
+    assert "converting the default model once" in err and not stats["compile_from_cache"]
+    assert stats["load_seconds"] > 0 and "from the cache" not in err
+    again, err, stats = decode(cache["env"], cache["folder"], "second")
+    assert "converting" not in err
+    assert stats["compile_from_cache"] and "compile" in err and "(from the cache)" in err
+    assert again == out and json.loads(out)["num_tokens"] == 8
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_compile_cache_off(cache, how):
+    xla = cache["folder"] / "xla"
+    before = sorted(os.listdir(xla))
+    env = {**cache["env"], compile_cache.OFF_ENV: "1"} if how == "env" else cache["env"]
+    out, _, stats = decode(env, cache["folder"], how, *(["--no-compile-cache"] if how == "flag" else []))
+    assert not stats["compile_from_cache"] and sorted(os.listdir(xla)) == before
+    assert out == cache["first"][0]
+
+
+def params_of(model) -> dict:
+    return {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def test_killed_and_broken_conversions_are_not_used(cache, monkeypatch, capsys, smollm2_path):
+    monkeypatch.setenv(CACHE_ENV, str(cache["folder"]))
+    monkeypatch.setenv(GGUF_ENV, smollm2_path)
+    folder = default_cache.cached_folder(smollm2_path, np.float32)
+    parent, name = os.path.split(folder)
+    killed = os.path.join(parent, f".{name}.partial-0123abcd")  # what a conversion killed mid-write leaves
+    os.makedirs(killed)
+    with open(os.path.join(killed, STATE_FILE), "wb") as f:
+        f.write(b"\0" * 100)
+    with open(os.path.join(folder, STATE_FILE), "r+b") as f:  # the cached folder itself damaged: cut short
+        f.truncate(1000)
+
+    converted, tokenizer = default_cache.load_default(np.float32, None)  # read from the GGUF and written again
+    assert "cannot be used" in capsys.readouterr().err
+    assert not os.path.exists(killed)
+    cached, fast_tokenizer = default_cache.load_default(np.float32, None)
+    assert "converting" not in capsys.readouterr().err and isinstance(fast_tokenizer, TextTokenizer)
+    a, b = params_of(converted), params_of(cached)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+    texts = [PROMPT, "  Ünïcode — spaces\tand\nlines  ", "<|im_start|>user\nhi<|im_end|>", "x" * 50]
+    for text in texts:
+        chat = [{"role": "user", "content": text}]
+        assert fast_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        assert fast_tokenizer.apply_chat_template(chat) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = [1, *fast_tokenizer(texts[1])["input_ids"], 2, 0, 40, 28120]
+    for skip in (True, False):
+        assert fast_tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
