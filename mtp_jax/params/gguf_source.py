@@ -1,6 +1,6 @@
 """A llama.cpp GGUF file seen as a Hugging Face checkpoint: HF config, HF tensor names, HF layouts.
 
-The file is memory-mapped by `gguf.GGUFReader`; a quantized tensor is dequantized to float32 only when it is
+The file is memory-mapped (`gguf_file.GGUFFile`); a quantized tensor is dequantized to float32 only when it is
 read, one tensor at a time. GGUF lists dimensions fastest-first, so NumPy shapes are the reversed GGUF shapes,
 which is already the PyTorch [out, in] layout. For `llama` files llama.cpp's convert script reorders the rows
 of the q and k projections (rotary halves -> interleaved pairs); `read` undoes that.
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 
 import gguf
 import ml_dtypes
 import numpy as np
 
 from mtp_jax.errors import ConversionError
+from mtp_jax.params.gguf_file import GGUFFile, dequantize
 from mtp_jax.params.source import CheckpointSource
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -79,32 +81,27 @@ class GGUFSource(CheckpointSource):
     def __init__(self, path: str):
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(path)
+            self._file = GGUFFile(path)
         except OSError as e:
             raise ConversionError(f"{path}: cannot read GGUF file ({e.strerror or e})") from None
-        except (ValueError, IndexError, KeyError, OverflowError) as e:
+        except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConversionError(f"{path}: corrupt or truncated GGUF file ({reason})") from None
-        size = os.path.getsize(path)
-        for t in self._reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise ConversionError(f"{path}: truncated GGUF file (tensor {t.name} runs past the end)")
         self.architecture = self._field("general.architecture")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConversionError(
                 f"{path}: GGUF architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        self._tensors = {hf_tensor_name(t.name): t for t in self._reader.tensors}
+        self._tensors = {hf_tensor_name(t.name): t for t in self._file.tensors}
         self._config = self._build_config()
 
     def _field(self, key: str, default=_REQUIRED):
-        field = self._reader.get_field(key)
-        if field is None:
+        if key not in self._file.fields:
             if default is _REQUIRED:
                 raise ConversionError(f"{self.path}: GGUF metadata has no {key}")
             return default
-        return field.contents()
+        return self._file.fields[key]
 
     def _build_config(self) -> dict:
         arch = self.architecture
@@ -157,7 +154,7 @@ class GGUFSource(CheckpointSource):
             array = t.data.view(ml_dtypes.bfloat16).reshape(shape)
         else:
             try:
-                array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                array = dequantize(t.data, t.tensor_type)
             except NotImplementedError:
                 raise ConversionError(
                     f"{self.path}: tensor {t.name} has unsupported GGUF type {t.tensor_type.name}"
@@ -187,7 +184,7 @@ class GGUFSource(CheckpointSource):
             return None
         groups = {
             group: {new: self._field(f"tokenizer.{old}") for old, new in renames.items()
-                    if self._reader.get_field(f"tokenizer.{old}") is not None}
+                    if f"tokenizer.{old}" in self._file.fields}
             for group, renames in GGUF_TOKENIZER_MAPPING.items()
         }  # fmt: skip
         tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
