@@ -18,10 +18,10 @@ import jax
 from mtp_jax.default_model import cache_dir
 
 OFF_ENV = "MTP_JAX_NO_COMPILE_CACHE"
-HIT_EVENT = "/jax/compilation_cache/cache_hits"
+HIT_EVENT, MISS_EVENT = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 MAX_BYTES = 4 << 30  # least recently used programs go past this
 
-_hits = [0]  # cache hits seen in this process (a list: the listener adds to it)
+_counts = {HIT_EVENT: 0, MISS_EVENT: 0}  # seen in this process (the listener adds to them)
 _listening = [False]
 
 
@@ -68,10 +68,10 @@ def active(off: bool = False) -> Iterator[str | None]:
 
 
 def _on_event(event: str, **kwargs) -> None:
-    if event == HIT_EVENT:
-        _hits[0] += 1
+    if event in _counts:
+        _counts[event] += 1
 
 
-def hits() -> int:
-    """Programs loaded from the persistent cache so far in this process."""
-    return _hits[0]
+def lookups() -> tuple[int, int]:
+    """(programs read from the persistent cache, programs looked for there and compiled) so far in this process."""
+    return _counts[HIT_EVENT], _counts[MISS_EVENT]

@@ -143,7 +143,7 @@ def decode_batches(
     summary of the run. `sampling_for`: prompt indices [B] -> (keys [B], SamplingParams or None), as
     `row_sampling` makes it. `progress`: a progress bar on stderr when there are several batches."""
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    compiled, compile_seconds, wall, counters, generated, hits = {}, 0.0, 0.0, None, 0, 0  # hits: compiles read
+    compiled, compile_seconds, wall, counters, generated, read = {}, 0.0, 0.0, None, 0, 0  # read: from the cache
     for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2 or not progress,
                       file=sys.stderr):  # fmt: skip
         width = bucket(max(len(p.token_ids) for p in batch))
@@ -151,10 +151,11 @@ def decode_batches(
         rows = np.asarray([p.index for p in batch] + [batch[0].index] * (batch_size - len(batch)))  # [B]
         keys, sampling = sampling_for(rows)
         if width not in compiled:
-            start, before = time.perf_counter(), compile_cache.hits()
+            start, (hits_before, misses_before) = time.perf_counter(), compile_cache.lookups()
             compiled[width] = speculative.compile_generate(model, ids, lens, keys, cfg, sampling)
             compile_seconds += time.perf_counter() - start
-            hits += compile_cache.hits() > before
+            hits_now, misses_now = compile_cache.lookups()
+            read += hits_now > hits_before and misses_now == misses_before  # read, none compiled
         start = time.perf_counter()
         out = jax.block_until_ready(compiled[width](model, ids, lens, keys, cfg, sampling))
         wall += time.perf_counter() - start
@@ -163,7 +164,7 @@ def decode_batches(
         generated += sum(r.num_tokens for r in results)
         on_results(results)
     return stats.summarize(counters, num_draft=cfg.num_draft, generated_tokens=generated, wall=wall,
-                           compile_seconds=compile_seconds, compile_from_cache=hits == len(compiled))  # fmt: skip
+                           compile_seconds=compile_seconds, compile_from_cache=read == len(compiled))  # fmt: skip
 
 
 def batch_results(batch: list[Prompt], out: speculative.GenerateOutput, tokenizer) -> list[TextResult]:

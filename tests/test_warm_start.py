@@ -4,19 +4,23 @@ conversion never used), in a fresh cache folder of their own."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+import mtp_jax
 from mtp_jax import compile_cache, default_cache
 from mtp_jax.default_model import CACHE_ENV, GGUF_ENV
-from mtp_jax.params.state_file import STATE_FILE
+from mtp_jax.params.state_file import STATE_FILE, read_state, write_state
 from mtp_jax.text_tokenizer import TextTokenizer
+from tests.tiny_models import tiny_config
 
 pytestmark = pytest.mark.slow  # the real default model, in fresh processes
 
@@ -97,3 +101,24 @@ def test_killed_and_broken_conversions_are_not_used(cache, monkeypatch, capsys, 
     ids = [1, *fast_tokenizer(texts[1])["input_ids"], 2, 0, 40, 28120]
     for skip in (True, False):
         assert fast_tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_state_file_round_trip_in_place(tmp_path, dtype):
+    """Every parameter back equal, bfloat16 too; on CPU the aligned ones used in the mapped file (no copy)."""
+    cfg = tiny_config(vocab=30)  # sizes that are not all multiples of 64 bytes: some tensors go unaligned
+    model = mtp_jax.CausalLM(cfg, dtype=np.dtype(dtype), rngs=nnx.Rngs(0))
+    params = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
+    path = str(tmp_path / STATE_FILE)
+    write_state(path, params)
+    nested = read_state(path, cfg, np.dtype(dtype), None)
+    restored = {key: functools.reduce(lambda node, name: node[name], key, nested) for key in params}
+    assert jax.tree.structure(nested).num_leaves == len(params)
+    with open("/proc/self/maps") as f:  # the address ranges this process maps the file at
+        ranges = [[int(a, 16) for a in line.split()[0].split("-")] for line in f if line.rstrip().endswith(path)]
+    in_place = 0
+    for key, value in params.items():
+        assert restored[key].dtype == value.dtype and np.array_equal(np.asarray(restored[key]), value), key
+        in_place += any(a <= restored[key].unsafe_buffer_pointer() < b for a, b in ranges)
+    aligned = sum(v.nbytes % 64 == 0 for v in params.values())
+    assert jax.default_backend() != "cpu" or in_place >= aligned > 0

@@ -42,7 +42,7 @@ def write_state(path: str, params: dict[ParamPath, np.ndarray]) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
         for name in order:
-            f.write(memoryview(named[name]).cast("B"))
+            f.write(memoryview(named[name].reshape(-1).view(np.uint8)))  # any dtype, bfloat16 included
         f.flush()
         os.fsync(f.fileno())
 
