@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
 import jax
@@ -38,8 +39,9 @@ def folder() -> str:
 @contextlib.contextmanager
 def active(off: bool = False) -> Iterator[str | None]:
     """The persistent cache on while the block runs (unless `off`, or `$MTP_JAX_NO_COMPILE_CACHE` is set to anything
-    but "" or "0"), JAX's settings as they were after it; yields the folder it uses, or None when off. A fresh
-    process must enter it before its first compile: JAX decides once per process whether it uses the cache.
+    but "" or "0", or the folder cannot be written), JAX's settings as they were after it; yields the folder it
+    uses, or None when off. A fresh process must enter it before its first compile: JAX decides once per process
+    whether it uses the cache.
 
     Every program is kept, however small or quick to compile (JAX's defaults keep only those that took a second):
     a run's small programs (placing parameters, splitting keys) add up to a good part of a warm start."""
@@ -47,6 +49,15 @@ def active(off: bool = False) -> Iterator[str | None]:
         yield None
         return
     path = folder()
+    try:
+        os.makedirs(path, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:  # JAX would warn on every compile
+        print(f"mtp_jax: cannot write the compilation cache {path}; compiling without it", file=sys.stderr)
+        yield None
+        return
     settings = {
         "jax_enable_compilation_cache": True,
         "jax_compilation_cache_dir": path,
