@@ -12,6 +12,9 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # libtpu is installed for the plans' TPU-topology compiles: JAX itself stays on the host CPU (no TPU runtime is
 # started or locked), and test workers may each load libtpu's compiler at once.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The command-line tools keep compiled programs in the user's cache folder; tests compile into no persistent cache
+# (tests/test_warm_start.py turns it on in a folder of its own).
+os.environ.setdefault("MTP_JAX_NO_COMPILE_CACHE", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
