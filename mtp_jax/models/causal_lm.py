@@ -279,8 +279,8 @@ def unstack_layers(model: CausalLM) -> CausalLM:
 
 def preferred_layout(platform: str, quantized: bool = False) -> str:
     """The layout layers are best held in on `platform`: unstacked where a scan would copy layer weights every step
-    (GPU, before its library matmuls; TPU with `quantized` weights, whose dequantization does not fuse with the
-    slice out of the stack into the matmul), else stacked (one compiled layer body)."""
+    (GPU, before its library matmuls; TPU with `quantized` weights, whose layer slice is copied out of the stack
+    before the matmul that reads it in blocks), else stacked (one compiled layer body)."""
     return "unstacked" if platform == "gpu" or (platform == "tpu" and quantized) else "stacked"
 
 
