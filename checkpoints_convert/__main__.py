@@ -1,4 +1,4 @@
-"""python -m checkpoints_convert SRC DST [--dtype bfloat16|float32] [--overwrite]"""
+"""python -m checkpoints_convert SRC DST [--dtype bfloat16|float32] [--weights auto|bfloat16|int8|fp8] [--overwrite]"""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from mtp_jax.config import WEIGHT_FORMATS
 from mtp_jax.conversion.convert import config_of, convert_params, write_converted
 from mtp_jax.conversion.writer import check_destination
 from mtp_jax.errors import run_cli
@@ -20,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("src", help="Hugging Face model folder or .gguf file")
     parser.add_argument("dst", help="new output folder (written atomically)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help="how matmul weights are stored: "
+                        "auto as the checkpoint ships them (fp8 with block scales stays fp8), bfloat16 in --dtype, "
+                        "int8 with per-channel scales, fp8 with 128 x 128 block scales (mtp_jax/quant.py)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     return parser
 
@@ -33,10 +37,11 @@ def convert(args: argparse.Namespace) -> int:
         cfg = config_of(source)
         mtp = f"MTP head ({cfg.mtp.layout} layout)" if cfg.has_mtp else "no MTP head"
         print(f"family {cfg.family}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {mtp}")
-        params, plan = convert_params(source, cfg, args.dtype)
+        params, plan = convert_params(source, cfg, args.dtype, weights=args.weights)
         report = {
             "source": args.src,
             "dtype": args.dtype,
+            "weights": args.weights,
             "tensors_used": len(plan.targets),
             "tensors_ignored": plan.ignored,
         }

@@ -34,6 +34,7 @@ from mtp_jax.families.tables import (
 from mtp_jax.models.causal_lm import model_param_axes
 from mtp_jax.params.fp8 import Fp8BlockSource, scale_index
 from mtp_jax.params.source import CheckpointSource
+from mtp_jax.params.stored_weights import split_quantized, stored_param, write_manifest
 from mtp_jax.params.transforms import WEIGHT_DTYPES, Target
 from mtp_jax.params.tree import CONFIG_FILE, PARAMS_DIR, REPORT_FILE, ParamPath, abstract_params, nest
 from mtp_jax.quant import fp8_blocks, matmul_axes
@@ -245,28 +246,35 @@ def convert_params(
     place: Callable[[ParamPath, np.ndarray], jax.Array] | None = None,
     on_tensor: Callable[[str], None] | None = None,
     only_mtp: bool = False,
+    weights: str = "bfloat16",
 ) -> tuple[dict[ParamPath, object], Plan]:
     """Fill every parameter from `source`, one parameter at a time (its stacked slots read tensor by tensor).
 
     `place(path, array)` puts a finished host array where it belongs (a device, a sharding); by default it stays
-    a NumPy array. `only_mtp` fills just the MTP head (a head file). Returns the flat parameters and the plan.
+    a NumPy array. `only_mtp` fills just the MTP head (a head file). `weights`: how matmul weights are stored
+    (`params.stored_weights.stored_param`: "bfloat16" in `dtype`; "auto" keeps a checkpoint's fp8; "int8" and "fp8"
+    quantize), a quantized one as a `QuantizedArray` of NumPy arrays. Returns the flat parameters and the plan.
     """
     readers, plan = param_readers(source, cfg, dtype, only_mtp)
+    layouts = model_param_axes(cfg, dtype)
     out = {}
     for path, reader in readers.items():
-        array = reader.read(on_tensor)
+        array = stored_param(path, reader, weights, layouts[path], dtype, on_tensor)
         out[path] = place(path, array) if place is not None else array
     return out, plan
 
 
 def write_converted(dst: str, cfg: ModelConfig, params: dict, tokenizer, report: dict, overwrite: bool) -> None:
-    """Write config, orbax params and tokenizer into the new folder `dst`, atomically (`writer.write_folder`)."""
+    """Write config, orbax params (quantized weights as stored: `params.stored_weights`) and tokenizer into the new
+    folder `dst`, atomically (`writer.write_folder`)."""
 
     def fill(folder: str) -> None:
         with open(os.path.join(folder, CONFIG_FILE), "w") as f:
             f.write(cfg.to_json())
+        flat, manifest = split_quantized(params)
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(os.path.join(folder, PARAMS_DIR), nest(params))
+            checkpointer.save(os.path.join(folder, PARAMS_DIR), nest(flat))
+        write_manifest(folder, manifest)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         with open(os.path.join(folder, REPORT_FILE), "w") as f:

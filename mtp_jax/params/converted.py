@@ -10,6 +10,7 @@ import types
 import typing
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from mtp_jax.config import ModelConfig
@@ -17,7 +18,9 @@ from mtp_jax.errors import ConversionError
 from mtp_jax.models.causal_lm import CausalLM, model_param_axes
 from mtp_jax.params.source import read_json_object
 from mtp_jax.params.state_file import STATE_FILE, read_state
+from mtp_jax.params.stored_weights import as_quantized, quantized_target, read_manifest
 from mtp_jax.params.tree import CONFIG_FILE, PARAMS_DIR, abstract_params, assemble, nest
+from mtp_jax.quant import check_whole_blocks
 from mtp_jax.sharding import ShardingRules
 
 
@@ -89,18 +92,24 @@ def _field_value(hint, value, name: str):
 
 def restore_converted(path: str, dtype, rules: ShardingRules | None) -> CausalLM:
     """Every parameter restored straight into its target sharding (or onto the default device): from the folder's
-    `params.safetensors` where it has one (`state_file`), else by orbax from its `params/` checkpoint."""
+    `params.safetensors` where it has one (`state_file`), else by orbax from its `params/` checkpoint, weights that
+    it stores quantized as they are stored (`stored_weights`)."""
     cfg = read_converted_config(os.path.join(path, CONFIG_FILE))
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         return assemble(cfg, read_state(os.path.join(path, STATE_FILE), cfg, dtype, rules), dtype, rules)
 
-    layouts = model_param_axes(cfg, dtype)
+    layouts, quantized = model_param_axes(cfg, dtype), read_manifest(path)
 
     def target(param_path, spec):
-        sharding = None if rules is None else rules.sharding(layouts[param_path], spec.shape)
-        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+        sharding_of = lambda shape: None if rules is None else rules.sharding(layouts[param_path], shape)
+        entry = quantized.get("/".join(param_path))
+        if entry is None:
+            return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding_of(spec.shape))
+        if rules is not None:
+            check_whole_blocks("/".join(param_path), spec.shape, entry["scales_shape"], rules, layouts[param_path])
+        return quantized_target(spec, entry, sharding_of)
 
-    targets = nest({p: target(p, s) for p, s in abstract_params(cfg, dtype).items()})
+    flat = {p: target(p, s) for p, s in abstract_params(cfg, dtype).items()}
     with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), targets)
-    return assemble(cfg, params, dtype, rules)
+        params = checkpointer.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), nest(flat))
+    return assemble(cfg, as_quantized(params, jnp.dtype(dtype)), dtype, rules)

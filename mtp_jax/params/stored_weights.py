@@ -1,0 +1,85 @@
+"""Quantized weights in a converted folder: written as stored (`checkpoints_convert --weights`), restored as stored.
+
+A weight kept quantized (`mtp_jax.quant.QuantizedArray`) goes into the orbax checkpoint as two arrays under its path,
+`values` (int8 or float8_e4m3fn) and `scales` (float32), and into the folder's `quantized.json` as its path with the
+values' dtype and the scales' shape, which is what a restore needs to build its targets. A folder without that file
+holds every parameter in its model dtype, as folders always did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.params.tree import ParamPath
+from mtp_jax.quant import QuantizedArray, matmul_axes, quantize_weight
+
+QUANTIZED_FILE = "quantized.json"  # {"/"-joined path: {"values_dtype": ..., "scales_shape": [...]}}
+
+
+def stored_param(path: ParamPath, reader, weights: str, layout, dtype, on_tensor=None):
+    """The parameter at `path` as `weights` stores it: a checkpoint's fp8 weight kept as its values and scales
+    ("auto", "fp8"); any other matmul weight quantized ("int8", "fp8"); everything else in the model dtype. NumPy
+    arrays either way."""
+    if weights in ("auto", "fp8") and reader.fp8_blocks is not None:
+        parts = (reader.read(on_tensor, part="values"), reader.read(on_tensor, part="scales"))
+        return QuantizedArray(*parts, jnp.dtype(dtype))
+    dense = reader.read(on_tensor)
+    axes = matmul_axes(path, layout)
+    if weights not in ("int8", "fp8") or axes is None:
+        return dense
+    quantized = quantize_weight(jnp.asarray(dense), weights, *axes)
+    return QuantizedArray(np.asarray(quantized.values), np.asarray(quantized.scales), quantized.dtype)
+
+
+def split_quantized(params: dict[ParamPath, object]) -> tuple[dict[ParamPath, object], dict]:
+    """(params with each quantized weight as {"values", "scales"} arrays, the `quantized.json` manifest)."""
+    flat, manifest = {}, {}
+    for path, value in params.items():
+        if isinstance(value, QuantizedArray):
+            flat[path] = {"values": value.values, "scales": value.scales}
+            manifest["/".join(path)] = {
+                "values_dtype": value.values.dtype.name,
+                "scales_shape": list(value.scales.shape),
+            }
+        else:
+            flat[path] = value
+    return flat, manifest
+
+
+def write_manifest(folder: str, manifest: dict) -> None:
+    if manifest:
+        with open(os.path.join(folder, QUANTIZED_FILE), "w") as f:
+            json.dump(manifest, f, indent=1)
+
+
+def read_manifest(folder: str) -> dict:
+    """The folder's quantized weights ({} for a folder without any)."""
+    path = os.path.join(folder, QUANTIZED_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def quantized_target(spec: jax.ShapeDtypeStruct, entry: dict, sharding_of) -> dict:
+    """The restore target of a weight stored quantized: {"values", "scales"} shapes, dtypes and shardings
+    (`sharding_of(shape)`, None for the default device)."""
+    scales = tuple(entry["scales_shape"])
+    return {
+        "values": jax.ShapeDtypeStruct(spec.shape, jnp.dtype(entry["values_dtype"]), sharding=sharding_of(spec.shape)),
+        "scales": jax.ShapeDtypeStruct(scales, jnp.float32, sharding=sharding_of(scales)),
+    }
+
+
+def as_quantized(tree, dtype):
+    """A restored parameter tree with each {"values", "scales"} pair as a `QuantizedArray` read in `dtype`."""
+    if isinstance(tree, dict) and set(tree) == {"values", "scales"}:
+        return QuantizedArray(tree["values"], tree["scales"], dtype)
+    if isinstance(tree, dict):
+        return {key: as_quantized(value, dtype) for key, value in tree.items()}
+    return tree
