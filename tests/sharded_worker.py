@@ -1,19 +1,22 @@
-"""Runs in its own process with 8 CPU devices (tests/test_sharding.py starts it with XLA_FLAGS set).
+"""Runs in child processes with 8 CPU devices, one per section of SECTIONS (`run_section` starts them with XLA_FLAGS
+set, for tests/test_sharding.py, tests/test_expert_parallel.py and tests/test_slot_sharded_caches.py).
 
 Decodes a tiny model on one device and on meshes 1x8, 2x4, 8x1 (and adaptively on 2x4), a tiny DeepSeek-V3
 (latent attention, routed experts) on one device and on data=2,expert=2,model=2, DeepSeek-V3, GLM-4.5 and a
 Qwen3.5-MoE-shaped hybrid with their experts spread over `expert` (4 or 8 shards; the rows go to the experts inside
 shard_map), compares the routed-experts layers on expert meshes with one device, loads the first model onto a mesh
 from a Hugging Face folder, from a converted folder and with a separately saved MTP head, and writes what it saw
-(tokens, shardings, shard shapes, the all-gathers of every compiled program) as JSON for the test's assertions.
-Usage, from the repository root: python -m tests.sharded_worker OUT.json WORKDIR
+(tokens, shardings, shard shapes, the all-gathers of every compiled program) as JSON for the tests' assertions.
+Usage, from the repository root: python -m tests.sharded_worker SECTION OUT.json WORKDIR
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
+import subprocess
 import sys
 
 import jax
@@ -34,6 +37,8 @@ from mtp_jax.models.softmax_moe import SoftmaxMoE
 from tests.hybrid_models import hybrid_config, predictable_hybrid_model
 from tests.test_lossless_moe import predictable_moe_model
 from tests.tiny_models import predictable_model, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")  # all model, mixed, all data
 DRAFTS = (0, 2)
@@ -336,10 +341,11 @@ def load_with_head(model, hf: str, head_dir: str, mesh) -> dict:
     return same_placement(loaded, sharding.shard_model(heads.attach_head(model, head_dir), mesh))
 
 
-def main(out_path: str, workdir: str) -> None:
-    assert jax.device_count() == 8, f"expected 8 CPU devices (XLA_FLAGS), got {jax.devices()}"
+def meshes_report(workdir: str) -> dict:
+    """The dense model on MESHES (and adaptively), DeepSeek-V3 and a hybrid on their meshes, an uneven batch, the
+    control program that gathers a weight, and loading onto a mesh."""
     model = predictable_model(seed=3, cfg=sharded_config())
-    report: dict = {"devices": jax.device_count(), "reference": {}, "runs": [], "params": {}, "caches": {}}
+    report: dict = {"reference": {}, "runs": [], "params": {}, "caches": {}}
     for k in DRAFTS:
         report["reference"][str(k)], _ = decode(model, k)
     for spec in MESHES:
@@ -356,10 +362,6 @@ def main(out_path: str, workdir: str) -> None:
     # DeltaNet + gated attention groups, states rolled back by selection)
     report["moe"] = mesh_report(mtp_jax.CausalLM(shapes.deepseek_v3_tiny(), rngs=nnx.Rngs(0)), MOE_MESH, 1)
     report["hybrid"] = mesh_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
-    report["expert_parallel"] = expert_parallel_report()
-    report["expert_layers"] = layer_report()
-    report["slots"] = slot_sharded_report()
-    report["slot_attention"] = slot_attention_report()
 
     try:
         mtp_jax.generate(sharding.shard_model(model, sharding.make_mesh("data=4,model=2")), IDS[:6], LENS[:6], None)
@@ -384,9 +386,46 @@ def main(out_path: str, workdir: str) -> None:
         "converted": same_placement(mtp_jax.load_model(converted, dtype=jnp.float32, mesh=mesh), expected),
         "head": load_with_head(model, hf, os.path.join(workdir, "head"), mesh),
     }
+    return report
+
+
+# The worker's parts, each run in a child of its own (tests/test_sharding.py, test_expert_parallel.py,
+# test_slot_sharded_caches.py): separate test files, so the test workers run them side by side.
+SECTIONS = {
+    "meshes": meshes_report,
+    "experts": lambda workdir: {"expert_parallel": expert_parallel_report(), "expert_layers": layer_report()},
+    "slots": lambda workdir: {"slots": slot_sharded_report(), "slot_attention": slot_attention_report()},
+}
+
+
+def cpu_env(devices: int) -> dict:
+    """A child's environment: `devices` CPU devices; LLVM's optimizations off (compiles take half the time; the
+    partitioned programs, their collectives and the comparisons made within one child are unchanged)."""
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), "JAX_PLATFORMS": "cpu"}
+
+
+def run_section(section: str, workdir: pathlib.Path) -> dict:
+    """Run SECTIONS[section] in a child process with 8 CPU devices; its report."""
+    out = workdir / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.sharded_worker", section, str(out), str(workdir)],
+        cwd=ROOT,
+        env=cpu_env(8),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def main(section: str, out_path: str, workdir: str) -> None:
+    assert jax.device_count() == 8, f"expected 8 CPU devices (XLA_FLAGS), got {jax.devices()}"
+    report = {"devices": jax.device_count(), **SECTIONS[section](workdir)}
     with open(out_path, "w") as f:
         json.dump(report, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

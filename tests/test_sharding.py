@@ -1,10 +1,12 @@
 """Sharded decoding on a `jax.sharding` mesh: same greedy tokens as one device, shards of 1/M, no weight all-gathers.
 
 JAX fixes its device count when its backend starts, and this pytest process already runs on one CPU device, so
-the mesh checks run in child processes: tests/sharded_worker.py with 8 CPU devices (meshes 1x8, 2x4, 8x1;
-adaptive rounds; a DeepSeek-V3 model with latent attention and routed experts on data=2,expert=2,model=2; MoE models
-and layers with their experts over 2 to 8 `expert` shards), and `python -m mtp_jax.decode` twice, as two processes
-of 4 CPU devices joined by `jax.distributed` on localhost.
+the mesh checks run in child processes: tests/sharded_worker.py's "meshes" section with 8 CPU devices (meshes 1x8,
+2x4, 8x1; adaptive rounds; a DeepSeek-V3 model with latent attention and routed experts on data=2,expert=2,model=2;
+a hybrid trunk on data=2,model=4; loading onto a mesh), and `python -m mtp_jax.decode` twice, as two processes of 4
+CPU devices joined by `jax.distributed` on localhost. Expert parallelism and caches split over slots are checked in
+tests/test_expert_parallel.py and tests/test_slot_sharded_caches.py (the worker's other sections, in children of
+their own).
 """
 
 from __future__ import annotations
@@ -24,19 +26,14 @@ from mtp_jax import decode, sharding
 from mtp_jax.conversion.export import save_hf_folder
 from tests.sharded_worker import (
     DRAFTS,
-    EXPERT_RUNS,
     HYBRID_MESH,
     IDS,
-    LAYER_MESHES,
     LENS,
-    LONG_LENS,
-    LONG_NEW_TOKENS,
     MESHES,
     MOE_MESH,
     NEW_TOKENS,
-    SLOT_DRAFTS,
-    SLOT_MESHES,
-    SLOT_SHARDS,
+    cpu_env,
+    run_section,
     sharded_config,
 )
 from tests.tiny_models import predictable_model
@@ -44,27 +41,9 @@ from tests.tiny_models import predictable_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def cpu_env(devices: int) -> dict:
-    """A child's environment: `devices` CPU devices; LLVM's optimizations off (compiles take half the time; the
-    partitioned programs, their collectives and the comparisons made within one child are unchanged)."""
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), "JAX_PLATFORMS": "cpu"}
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("sharded")
-    out = work / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.sharded_worker", str(out), str(work)],
-        cwd=ROOT,
-        env=cpu_env(8),
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return run_section("meshes", tmp_path_factory.mktemp("sharded"))
 
 
 def mesh_sizes(spec: str) -> tuple[int, int]:
@@ -220,122 +199,6 @@ def test_hybrid_states_on_a_mesh(report):
     assert [None, "data", None, None, None] in specs  # conv [R, B, W-1, C]
     gathered = [s for s in run["all_gathers"] if math.prod(s) in weight_sizes(hybrid["params"])]
     assert not gathered, f"all-gathers of weight size {gathered}"
-
-
-def expert_run(report, name: str, mesh: str, k: int) -> dict:
-    return next(r for r in report["expert_parallel"]["runs"] if (r["model"], r["mesh"], r["k"]) == (name, mesh, k))
-
-
-@pytest.mark.parametrize(("name", "mesh", "k"), [(name, mesh, k) for name, mesh, drafts in EXPERT_RUNS for k in drafts])
-def test_expert_parallel_tokens_match_single_device(report, name, mesh, k):
-    """DeepSeek-V3, GLM-4.5 and a Qwen3.5-MoE-shaped hybrid with their routed experts over 2, 4 or 8 `expert` shards
-    (the rows going to the experts inside shard_map), plain and with MTP drafts: the same tokens as one device."""
-    run, reference = expert_run(report, name, mesh, k), report["expert_parallel"]["reference"][name][str(k)]
-    for key in ("tokens", "lengths", "finished", "accepted"):
-        assert run[key] == reference[key], key
-    if k:
-        assert run["accepted"] > 0  # drafts accepted: the MTP layer's experts and the verify path ran
-    assert run["shard_maps"] > 0 and reference["shard_maps"] == 0
-    if int(dict(part.split("=") for part in mesh.split(","))["data"]) > 1:
-        assert run["tokens_spec"][0] == "data"
-
-
-@pytest.mark.parametrize(("name", "mesh"), [(name, mesh) for name, mesh, _ in EXPERT_RUNS])
-def test_expert_parallel_weights_stay_in_their_shards(report, name, mesh):
-    """Each device holds E/expert experts, F/model of their width (written out per weight); no expert weight gathered,
-    whole or in part."""
-    runs = [r for r in report["expert_parallel"]["runs"] if (r["model"], r["mesh"]) == (name, mesh)]
-    params = next(r["params"] for r in runs if "params" in r)
-    sizes = dict(part.split("=") for part in mesh.split(","))
-    e, m = int(sizes["expert"]), int(sizes["model"])
-    splits = {"expert_gate": {-3: e, -1: m}, "expert_up": {-3: e, -1: m}, "expert_down": {-3: e, -2: m}}
-    experts = [p for p in params if p["path"].split("/")[-1] in splits]
-    assert len(experts) >= 6  # trunk and MTP layer
-    for param in experts:
-        expected = list(param["shape"])
-        for dim, parts in splits[param["path"].split("/")[-1]].items():
-            expected[dim] //= parts
-        assert param["shard_shapes"] == [expected], param
-    sizes = expert_gather_sizes(params)
-    assert sizes
-    gathered = [s for r in runs for s in r["all_gathers"] if math.prod(s) in sizes]
-    assert not gathered, f"all-gathers of expert weight size {gathered}"
-
-
-def expert_gather_sizes(params: list[dict]) -> set[int]:
-    """Element counts of gathered routed-expert weights (shard_map in_specs other than the stored layouts gather
-    them): one layer or all, one expert, a device's experts or all, with the experts or their width gathered."""
-    sizes = set()
-    for param in params:
-        name = param["path"].split("/")[-1]
-        if name not in ("expert_gate", "expert_up", "expert_down"):
-            continue
-        (shard,), shape = param["shard_shapes"], param["shape"]
-        f = -2 if name == "expert_down" else -1  # [..., E, F, D] or [..., E, D, F]
-        d = shape[-1] if name == "expert_down" else shape[-2]
-        for layers in {1, math.prod(shape[:-3])}:
-            for experts in {1, shard[-3], shape[-3]}:
-                for width in {shard[f], shape[f]}:
-                    if experts > shard[-3] or width > shard[f]:
-                        sizes.add(layers * experts * width * d)
-    return sizes
-
-
-@pytest.mark.parametrize("layer", ["MoE", "SoftmaxMoE"])
-def test_expert_parallel_layer_equals_one_device(report, layer):
-    """The routed-experts layer (float32, random inputs) on expert meshes against one device: one shard_map with one
-    psum; with many rows every expert shard has some, with two rows some shards have none."""
-    results = [r for r in report["expert_layers"] if r["layer"] == layer]
-    assert sorted((r["mesh"], r["rows"]) for r in results) == sorted((m, n) for m in LAYER_MESHES for n in (32, 2))
-    for r in results:
-        assert r["max_error"] < 1e-5, r
-        assert (r["shard_maps"], r["psums"]) == (1, 1), r
-    assert all(r["shards_with_rows"] == list(range(r["expert_shards"])) for r in results if r["rows"] == 32)
-    assert any(len(r["shards_with_rows"]) < r["expert_shards"] for r in results if r["rows"] == 2)
-
-
-@pytest.mark.parametrize("k", SLOT_DRAFTS)
-@pytest.mark.parametrize("name", list(SLOT_MESHES))
-def test_long_caches_split_over_slots_decode_like_one_device(report, name, k):
-    """Long prompts where `model` cannot split the attention caches' heads (2 kv heads on model=4; DeepSeek-V3's
-    latents): GQA, a hybrid and latent attention, plain and with drafts, give one device's greedy tokens; no
-    all-gather brings a cache's slots together."""
-    entry = report["slots"][name]
-    run, reference = entry["runs"][str(k)], entry["reference"][str(k)]
-    for key in ("tokens", "lengths", "finished", "accepted"):
-        assert run[key] == reference[key], key
-    if k:
-        assert run["accepted"] > 0
-    assert run["tokens_spec"][0] == "data"
-    assert not [shape for shape in run["all_gathers"] if entry["slots"] in shape]
-    assert run["cache_blocks_in_program"] and not run["whole_caches_in_program"]  # generate split its caches too
-
-
-@pytest.mark.parametrize("name", list(SLOT_MESHES))
-def test_long_caches_hold_their_slots_over_model(report, name):
-    """[L, B, S, ...] trunk and MTP caches: rows over data, slots over model (and expert for latents), each device
-    holding S/M slots of its rows; whole chunks per shard, and the prompts fill past the first shard."""
-    entry, slots = report["slots"][name], report["slots"][name]["slots"]
-    sizes = {axis: int(size) for axis, size in (part.split("=") for part in SLOT_MESHES[name].split(","))}
-    slot_axes = "model" if sizes.get("expert", 1) == 1 else ["expert", "model"]
-    assert math.prod(sizes[a] for a in ["expert", "model"] if a in sizes) == SLOT_SHARDS
-    assert slots % (SLOT_SHARDS * 256) == 0 and max(LONG_LENS) + LONG_NEW_TOKENS > slots // SLOT_SHARDS
-    assert len(entry["caches"]) >= 3  # the trunk's (keys and values, or latents of two segments) and the MTP layer's
-    for cache in entry["caches"]:
-        shape = cache["shape"]
-        assert cache["spec"] + [None] * (len(shape) - len(cache["spec"])) == [None, "data", slot_axes] + [None] * (
-            len(shape) - 3
-        )
-        assert cache["shard_shapes"] == [[shape[0], shape[1] // sizes["data"], slots // SLOT_SHARDS, *shape[3:]]]
-
-
-def test_attention_over_a_cache_split_over_slots(report):
-    """Grouped-query and latent attention (absorbed and expanded) over a cache split into 4 shards of slots, rows
-    starting in every shard, against one pass over the same visible slots (float32, random inputs)."""
-    attention = report["slot_attention"]
-    assert attention["shards"] == {"gqa": 4, "latent": 4}
-    for name, error in attention["errors"].items():
-        assert error < 1e-5, name
 
 
 def test_uneven_batch_is_refused(report):
