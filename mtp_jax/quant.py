@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import WEIGHT_FORMATS
-from mtp_jax.errors import UserError
 from mtp_jax.sharding import param_axes
 
 INT8_MAX = 127.0
@@ -254,35 +253,10 @@ def quantize_model(model, weights: str):
             continue
         quantized = quantize_weight(param.get_value(), weights, *axes)
         if rules is not None:  # values and scales laid out as the weight
-            check_whole_blocks("/".join(names), quantized.shape, quantized.scales.shape, rules, layout)
             place = lambda leaf, layout=layout: jax.device_put(leaf, rules.sharding(layout, leaf.shape))
             quantized = jax.tree.map(place, quantized)
         param.set_value(quantized)
     return model
-
-
-def check_whole_blocks(name: str, shape: Sequence[int], scales_shape: Sequence[int], rules, layout) -> None:
-    """Refuse (UserError) a quantized weight of `shape` (its scales: `scales_shape`) that `rules` would lay out with
-    part of a scale block on one shard and the rest on another: each shard must hold whole blocks, so that its
-    scales apply to its own values."""
-    spec = tuple(rules.spec(layout, shape)) + (None,) * len(shape)
-    for axis, (n, d) in enumerate(zip(scales_shape, shape, strict=True)):
-        mesh_axes = () if spec[axis] is None else (spec[axis],) if isinstance(spec[axis], str) else spec[axis]
-        shards = math.prod(rules.mesh.shape[a] for a in mesh_axes)
-        if n > 1 and n % shards:
-            raise UserError(
-                f"{name}: its {d} values along axis {axis} form {n} scale blocks of {d // n}, which the {shards} "
-                f"shards of mesh axes {', '.join(mesh_axes)} would split; use a mesh whose {'*'.join(mesh_axes)} size "
-                f"divides {n}"
-            )
-
-
-def check_model_blocks(model, rules) -> None:
-    """`check_whole_blocks` for every quantized weight of `model` under `rules`."""
-    for path, param in nnx.iter_graph(model):
-        if isinstance(param, nnx.Param) and isinstance(param.get_value(), QuantizedArray):
-            name, weight = "/".join(map(str, path)), param.get_value()
-            check_whole_blocks(name, weight.shape, weight.scales.shape, rules, param_axes(param, name))
 
 
 def is_quantized(model) -> bool:

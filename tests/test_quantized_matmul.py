@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtp_jax import planning, quant, sharding, topology
-from mtp_jax.errors import UserError
+from mtp_jax import quant, topology
 from mtp_jax.hlo_traffic import hbm_bytes
 from mtp_jax.models.rowwise import project
-from tests.tiny_models import tiny_config
 
 # (equation, x's shape, the weight's shape, its contracting axes, its batched axes): the forms the models use
 FORMS = [
@@ -102,14 +100,3 @@ def test_each_row_gets_the_same_bits_whatever_the_rows_beside_it(weights):
     for count in (2, 3, 8, 64):
         together, shared = np.asarray(run(rows[:count])), min(count, 3)
         np.testing.assert_array_equal(together[:shared].view(np.uint16), alone[:shared].view(np.uint16))
-
-
-def test_a_mesh_that_splits_a_scale_block_is_refused_when_planned():
-    """fp8 blocks of 128 over an MLP width of 384 (three blocks): two `model` shards would each hold a block and a
-    half, so planning refuses the mesh in one line naming the weight; a width of 512 (four blocks) plans."""
-    target = topology.resolve("v5e:2x1")
-    rules = sharding.ShardingRules(sharding.make_mesh("data=1,model=2", target.devices))
-    cfg = tiny_config().replace(hidden_size=256, intermediate_size=384, num_heads=2, head_dim=128)
-    with pytest.raises(UserError, match=r"down_proj: its 384 values along axis \d form 3 scale blocks of 128"):
-        planning.abstract_model(cfg, jnp.bfloat16, rules, weights="fp8")
-    planning.abstract_model(cfg.replace(intermediate_size=512), jnp.bfloat16, rules, weights="fp8")

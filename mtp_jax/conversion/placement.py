@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from mtp_jax.config import ModelConfig
 from mtp_jax.conversion.convert import param_readers
 from mtp_jax.models.causal_lm import model_param_axes
-from mtp_jax.quant import QuantizedArray, check_whole_blocks
+from mtp_jax.quant import QuantizedArray
 from mtp_jax.sharding import ShardingRules, place
 
 
@@ -30,13 +30,9 @@ def read_params(
             return jnp.asarray(reader.read(part=part))
         return place(shape, rules.sharding(layouts[path], shape), functools.partial(reader.read_blocks, part=part))
 
-    kept = {path for path, reader in readers.items() if keep_fp8 and reader.fp8_blocks is not None}
-    for path in sorted(kept) if rules is not None else ():  # before reading anything: shards hold whole blocks
-        shapes = (readers[path].part_shape("values"), readers[path].part_shape("scales"))
-        check_whole_blocks("/".join(path), *shapes, rules, layouts[path])
     params = {}
     for path, reader in readers.items():
-        if path in kept:
+        if keep_fp8 and reader.fp8_blocks is not None:
             params[path] = QuantizedArray(read(path, reader, "values"), read(path, reader, "scales"), jnp.dtype(dtype))
         else:
             params[path] = read(path, reader, "dense")
