@@ -232,8 +232,8 @@ def quantize_weight(weight: jax.Array, weights: str, contracting, batched) -> Qu
 
 def quantize_model(model, weights: str):
     """Quantize every matmul weight of `model` in place to `weights` ("int8", "fp8"; "auto": as it is; "bfloat16":
-    weights stored quantized dequantized into the model's dtype) and return it; on a mesh, the values keep the weight's sharding and the scales lie as the weight's axes do
-    where the mesh divides them (else replicated)."""
+    weights stored quantized dequantized into the model's dtype) and return it; on a mesh, the values keep the
+    weight's sharding and the scales lie as the weight's axes do where the mesh divides them (else replicated)."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_FORMATS)}")
     if weights == "bfloat16":  # a model stored quantized (a converted folder's kept fp8) read back in its dtype

@@ -20,7 +20,6 @@ from mtp_jax.params.source import read_json_object
 from mtp_jax.params.state_file import STATE_FILE, read_state
 from mtp_jax.params.stored_weights import as_quantized, quantized_target, read_manifest
 from mtp_jax.params.tree import CONFIG_FILE, PARAMS_DIR, abstract_params, assemble, nest
-from mtp_jax.quant import check_whole_blocks
 from mtp_jax.sharding import ShardingRules
 
 
@@ -105,8 +104,6 @@ def restore_converted(path: str, dtype, rules: ShardingRules | None) -> CausalLM
         entry = quantized.get("/".join(param_path))
         if entry is None:
             return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding_of(spec.shape))
-        if rules is not None:
-            check_whole_blocks("/".join(param_path), spec.shape, entry["scales_shape"], rules, layouts[param_path])
         return quantized_target(spec, entry, sharding_of)
 
     flat = {p: target(p, s) for p, s in abstract_params(cfg, dtype).items()}
