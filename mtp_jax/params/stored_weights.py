@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.params.source import read_json_object
 from mtp_jax.params.tree import ParamPath
 from mtp_jax.quant import QuantizedArray, matmul_axes, quantize_weight
 
@@ -58,12 +59,9 @@ def write_manifest(folder: str, manifest: dict) -> None:
 
 
 def read_manifest(folder: str) -> dict:
-    """The folder's quantized weights ({} for a folder without any)."""
+    """The folder's quantized weights ({} for a folder without any); a broken file is refused in one line."""
     path = os.path.join(folder, QUANTIZED_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path) if os.path.isfile(path) else {}
 
 
 def quantized_target(spec: jax.ShapeDtypeStruct, entry: dict, sharding_of) -> dict:
