@@ -193,8 +193,15 @@ def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
     return walls
 
 
+def peer_device() -> str:
+    """Where transformers runs: on the GPU when ours does (and torch sees one), else on the CPU."""
+    import torch  # heavy optional dependency, needed only for the peer
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def load_peer(path: str, dtype_name: str):
-    """transformers' model of the same weights (a .gguf is dequantized by transformers itself)."""
+    """transformers' model of the same weights (a .gguf is dequantized by transformers itself), on `peer_device()`."""
     import torch  # heavy optional dependencies, needed only for the peer
     from transformers import AutoModelForCausalLM
 
@@ -202,8 +209,10 @@ def load_peer(path: str, dtype_name: str):
     dtype = getattr(torch, dtype_name)
     if path.endswith(".gguf"):
         folder, name = os.path.split(path)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(peer_device()).eval()
 
 
 class PeerRun:
@@ -215,11 +224,12 @@ class PeerRun:
 
         self.model, self.max_new_tokens = model, max_new_tokens
         self.width = width = max(len(p.token_ids) for p in prompts)
-        self.ids = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
         for row, p in enumerate(prompts):
-            self.ids[row, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
+            ids[row, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
         starts = torch.tensor([[width - len(p.token_ids)] for p in prompts])
-        mask = (torch.arange(width)[None] >= starts).long()
+        mask = (torch.arange(width)[None] >= starts).long().to(model.device)
+        self.ids = ids.to(model.device)
         # eos_token_id=None: EOS is generated like any token but stops nothing (min_new_tokens would mask it instead).
         greedy = {"do_sample": False}
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else greedy
@@ -238,16 +248,19 @@ class PeerRun:
     def __call__(self) -> float:
         import torch  # heavy optional dependency, needed only for the peer
 
+        sync = torch.cuda.synchronize if self.model.device.type == "cuda" else lambda: None
         with torch.no_grad():
             start = time.perf_counter()
             self.model.generate(self.ids, cache_implementation=self.cache, **{**self.kwargs, "max_new_tokens": 1})
+            sync()
             self.prefill_walls.append(time.perf_counter() - start)
             start = time.perf_counter()
             self.out = self.model.generate(self.ids, cache_implementation=self.cache, **self.kwargs)
+            sync()
         return time.perf_counter() - start
 
     def result(self, walls: list[float]) -> tuple[dict, np.ndarray]:
-        new, wall, steps = self.out[:, self.width :].numpy(), min(walls), self.max_new_tokens - 1  # [B, new]
+        new, wall, steps = self.out[:, self.width :].cpu().numpy(), min(walls), self.max_new_tokens - 1  # [B, new]
         fields = {"cache": self.cache, "rounds": steps, "generated_tokens": int(new.size), "mean_accepted_length": 1.0,
                   "acceptance_rate": 0.0, "acceptance_per_position": [], "tokens_per_second": new.size / wall,
                   "wall_seconds": wall, "compile_seconds": None, "walls": walls,
@@ -302,13 +315,22 @@ def run(args) -> dict:
             compared = reference is not tokens and args.temperature == 0
             row["same_tokens"] = bool(np.array_equal(tokens, reference)) if compared else None
             rows.append(row)
+            print(progress_line(row), file=sys.stderr, flush=True)
     if peer is not None:
-        notes.append(f"transformers ran with the {rows[-1]['cache']} cache")
+        notes.append(f"transformers ran with the {rows[-1]['cache']} cache on {peer.device.type}")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     meta = metadata(args, label, dtype, notes)
     meta["copy_bandwidth_gb_s"] = None if bandwidth is None else bandwidth / 1e9
     return {"meta": meta, "rows": rows}
+
+
+def progress_line(row: dict) -> str:
+    """One finished row, printed as soon as its batch is timed (a run cut short keeps what it measured)."""
+    numerics = {True: ", invariant", False: ", default numerics"}.get(row.get("invariant"), "")
+    same = {True: "; same tokens as plain", False: "; tokens differ from plain"}.get(row["same_tokens"], "")
+    return (f"done: {row['impl']}, batch {row['batch']}, k {row['k']}{numerics}: "
+            f"{row['tokens_per_second']:.1f} tokens/s{same}")  # fmt: skip
 
 
 def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peer_run=None):
