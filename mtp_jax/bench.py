@@ -1,7 +1,7 @@
-"""python -m mtp_jax.bench: plain vs MTP decoding, and transformers' PyTorch generate, in one process.
+"""python -m mtp_jax.bench: plain vs MTP decoding, transformers' PyTorch generate and llama.cpp, in one process.
 
 For each (batch size, k) the decode loop is compiled once ahead of time (timed apart); then every configuration of
-a batch size (ours for each k, the adaptive loop, transformers) runs once per sweep, `--repeats` sweeps, and each
+a batch size (ours for each k, the adaptive loop, the peers of `bench_peers`) runs once per sweep, `--repeats` sweeps, and each
 keeps its fastest wall time: interference from the rest of the machine only ever adds time, and interleaving (in
 alternating order) spreads a slow spell over all configurations. EOS does not stop any row, on either side, so every row
 generates exactly --max-new-tokens tokens and tokens/s compare equal work.
@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import checkpoint, compile_cache
+from mtp_jax.bench_peers import LlamaCppRun, PeerRun, llama_cpp_available, load_llama_cpp, load_peer, per_round
 from mtp_jax.cache import cache_slots
 from mtp_jax.config import DecodeConfig
 from mtp_jax.decode import add_storage_arguments, positive_int
@@ -80,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="default float32 on CPU, else bfloat16")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per configuration (default 3)")
-    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, help="time transformers' generate too "
-                        "(default: on, off for random shapes)")  # fmt: skip
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, help="time transformers' generate too, and "
+                        "llama.cpp at batch 1 for a GGUF when llama-cpp-python is installed (default: on, off for "
+                        "random shapes)")  # fmt: skip
     parser.add_argument("--split", action=argparse.BooleanOptionalAction, default=True, help="time each round's "
                         "draft and verify parts, the roofline and the adaptive round costs (default on)")  # fmt: skip
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, help="add an adaptive-k row with the "
@@ -172,14 +174,6 @@ class OursRun:
                 "memory_mb": None if memory is None else memory / 2**20}, np.asarray(out.tokens)  # fmt: skip
 
 
-def per_round(wall: float, prefill: float, rounds: int) -> dict:
-    """The prefill's ms and the decode loop's ms per round: the wall without the prefill, over the rounds (the
-    fastest prefill and the fastest whole run, each of its own sweeps); None where the difference is lost in the
-    timing noise (tiny models) or there are no rounds."""
-    loop = wall - prefill
-    return {"prefill_ms": 1000 * prefill, "ms_per_round": 1000 * loop / rounds if rounds and loop > 0 else None}
-
-
 def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
     """Wall seconds [run][repeat]: every run once per sweep, `repeats` sweeps, so that a slow spell of the machine
     (other load, clocks) costs all configurations alike rather than whichever was running then. Sweeps alternate
@@ -191,81 +185,6 @@ def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
         for run, times in order if sweep % 2 == 0 else order[::-1]:
             times.append(run())
     return walls
-
-
-def peer_device() -> str:
-    """Where transformers runs: on the GPU when ours does (and torch sees one), else on the CPU."""
-    import torch  # heavy optional dependency, needed only for the peer
-
-    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
-
-
-def load_peer(path: str, dtype_name: str):
-    """transformers' model of the same weights (a .gguf is dequantized by transformers itself), on `peer_device()`."""
-    import torch  # heavy optional dependencies, needed only for the peer
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    dtype = getattr(torch, dtype_name)
-    if path.endswith(".gguf"):
-        folder, name = os.path.split(path)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(peer_device()).eval()
-
-
-class PeerRun:
-    """transformers' generate on a left-padded batch with its attention mask, static cache when it works, else
-    dynamic; warmed up once untimed. Called like `OursRun`."""
-
-    def __init__(self, model, prompts, max_new_tokens: int, temperature: float):
-        import torch  # heavy optional dependency, needed only for the peer
-
-        self.model, self.max_new_tokens = model, max_new_tokens
-        self.width = width = max(len(p.token_ids) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, W]
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p.token_ids) :] = torch.tensor(p.token_ids)
-        starts = torch.tensor([[width - len(p.token_ids)] for p in prompts])
-        mask = (torch.arange(width)[None] >= starts).long().to(model.device)
-        self.ids = ids.to(model.device)
-        # eos_token_id=None: EOS is generated like any token but stops nothing (min_new_tokens would mask it instead).
-        greedy = {"do_sample": False}
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else greedy
-        self.kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
-                           **sampling)  # fmt: skip
-        self.cache, self.prefill_walls = "static", []
-        try:
-            self()  # warm-up, not timed
-        except Exception as e:  # this platform or version cannot run the static cache
-            why = f"{type(e).__name__}: {e}"
-            print(f"note: static cache failed for transformers ({why}); using dynamic", file=sys.stderr)
-            self.cache = "dynamic"
-            self()
-        self.prefill_walls = []  # the warm-up's is not a measurement
-
-    def __call__(self) -> float:
-        import torch  # heavy optional dependency, needed only for the peer
-
-        sync = torch.cuda.synchronize if self.model.device.type == "cuda" else lambda: None
-        with torch.no_grad():
-            start = time.perf_counter()
-            self.model.generate(self.ids, cache_implementation=self.cache, **{**self.kwargs, "max_new_tokens": 1})
-            sync()
-            self.prefill_walls.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            self.out = self.model.generate(self.ids, cache_implementation=self.cache, **self.kwargs)
-            sync()
-        return time.perf_counter() - start
-
-    def result(self, walls: list[float]) -> tuple[dict, np.ndarray]:
-        new, wall, steps = self.out[:, self.width :].cpu().numpy(), min(walls), self.max_new_tokens - 1  # [B, new]
-        fields = {"cache": self.cache, "rounds": steps, "generated_tokens": int(new.size), "mean_accepted_length": 1.0,
-                  "acceptance_rate": 0.0, "acceptance_per_position": [], "tokens_per_second": new.size / wall,
-                  "wall_seconds": wall, "compile_seconds": None, "walls": walls,
-                  **per_round(wall, min(self.prefill_walls), steps)}  # fmt: skip
-        return fields, new
 
 
 def run(args) -> dict:
@@ -294,18 +213,21 @@ def run(args) -> dict:
     prompts = read_prompts(args, model, tokenizer)
     dtype = np.dtype(model.dtype).name
     peer = load_peer(peer_path, dtype) if peer_path else None
+    llama = llama_cpp_peer(args, peer_path, prompts, notes)
     bandwidth = measured_bandwidth() if args.split else None
     rows = []
     for batch_size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
         ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))  # [B, W], [B]
-        peer_run = PeerRun(peer, batch, args.max_new_tokens, args.temperature) if peer is not None else None
-        results = time_batch(args, model, ids, lens, drafts, bandwidth, peer_run)
+        peer_runs = [("transformers", PeerRun(peer, batch, args.max_new_tokens, args.temperature))] if peer else []
+        if llama is not None and batch_size == 1:
+            peer_runs.append(("llama.cpp", LlamaCppRun(llama, batch, args.max_new_tokens)))
+        results = time_batch(args, model, ids, lens, drafts, bandwidth, peer_runs)
         plain, plain_tokens = results[0]
         plain_of_mode = {
             row["invariant"]: tokens for row, tokens in results if row["impl"] == "mtp_jax" and not row["k"]
         }
-        peer_speed = results[-1][0]["tokens_per_second"] if peer is not None else None
+        peer_speed = next((r["tokens_per_second"] for r, _ in results if r["impl"] == "transformers"), None)
         for row, tokens in results:
             row["speedup_vs_plain"] = row["tokens_per_second"] / plain["tokens_per_second"]
             row["verify_over_plain"] = ratio(row.get("verify_ms"), plain.get("round_ms"))
@@ -317,12 +239,25 @@ def run(args) -> dict:
             rows.append(row)
             print(progress_line(row), file=sys.stderr, flush=True)
     if peer is not None:
-        notes.append(f"transformers ran with the {rows[-1]['cache']} cache on {peer.device.type}")
+        cache = next(r["cache"] for r in rows if r["impl"] == "transformers")
+        notes.append(f"transformers ran with the {cache} cache on {peer.device.type}")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     meta = metadata(args, label, dtype, notes)
     meta["copy_bandwidth_gb_s"] = None if bandwidth is None else bandwidth / 1e9
     return {"meta": meta, "rows": rows}
+
+
+def llama_cpp_peer(args, peer_path: str | None, prompts, notes: list[str]):
+    """llama.cpp's model of the GGUF for the batch-1 rows, when it can be a peer (greedy only), else None."""
+    if not llama_cpp_available(peer_path):
+        return None
+    if args.temperature:
+        notes.append("llama.cpp is timed at temperature 0 only")
+        return None
+    notes.append("llama.cpp runs at batch 1 only, on the CPU, with the GGUF's own quantized weights")
+    context = max(len(p.token_ids) for p in prompts) + args.max_new_tokens + 8
+    return load_llama_cpp(peer_path, context)
 
 
 def progress_line(row: dict) -> str:
@@ -333,8 +268,9 @@ def progress_line(row: dict) -> str:
             f"{row['tokens_per_second']:.1f} tokens/s{same}")  # fmt: skip
 
 
-def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peer_run=None):
-    """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then the peer,
+def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peer_runs=()):
+    """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then the peers
+    (`peer_runs`: (name, run) pairs),
     timed in interleaved sweeps; with --split, each fixed k with its round's parts and the plain rows with their
     roofline fraction."""
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False,
@@ -360,8 +296,8 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
         cfg = DecodeConfig(num_draft=k, **{**settings, "invariant": not args.invariant})
         rows.append({"impl": "mtp_jax", "batch": len(ids), "k": k, "invariant": not args.invariant})
         runs.append(OursRun(model, ids, lens, cfg))
-    if peer_run is not None:
-        rows.append({"impl": "transformers", "batch": len(ids), "k": 0})
+    for name, peer_run in peer_runs:
+        rows.append({"impl": name, "batch": len(ids), "k": 0})
         runs.append(peer_run)
     results = []
     for row, run, walls in zip(rows, runs, interleaved_walls(runs, args.repeats), strict=True):
