@@ -1,10 +1,10 @@
 """python -m mtp_jax.bench: plain vs MTP decoding, transformers' PyTorch generate and llama.cpp, in one process.
 
 For each (batch size, k) the decode loop is compiled once ahead of time (timed apart); then every configuration of
-a batch size (ours for each k, the adaptive loop, the peers of `bench_peers`) runs once per sweep, `--repeats` sweeps, and each
-keeps its fastest wall time: interference from the rest of the machine only ever adds time, and interleaving (in
-alternating order) spreads a slow spell over all configurations. EOS does not stop any row, on either side, so every row
-generates exactly --max-new-tokens tokens and tokens/s compare equal work.
+a batch size (ours for each k, the adaptive loop, the peers of `bench_peers`) runs once per sweep, `--repeats`
+sweeps, and each keeps its fastest wall time: interference from the rest of the machine only ever adds time, and
+interleaving (in alternating order) spreads a slow spell over all configurations. EOS does not stop any row, on
+either side, so every row generates exactly --max-new-tokens tokens and tokens/s compare equal work.
 """
 
 from __future__ import annotations
@@ -219,10 +219,7 @@ def run(args) -> dict:
     for batch_size in args.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
         ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))  # [B, W], [B]
-        peer_runs = [("transformers", PeerRun(peer, batch, args.max_new_tokens, args.temperature))] if peer else []
-        if llama is not None and batch_size == 1:
-            peer_runs.append(("llama.cpp", LlamaCppRun(llama, batch, args.max_new_tokens)))
-        results = time_batch(args, model, ids, lens, drafts, bandwidth, peer_runs)
+        results = time_batch(args, model, ids, lens, drafts, bandwidth, peer_runs(args, batch, peer, llama))
         plain, plain_tokens = results[0]
         plain_of_mode = {
             row["invariant"]: tokens for row, tokens in results if row["impl"] == "mtp_jax" and not row["k"]
@@ -260,6 +257,15 @@ def llama_cpp_peer(args, peer_path: str | None, prompts, notes: list[str]):
     return load_llama_cpp(peer_path, context)
 
 
+def peer_runs(args, batch, peer, llama) -> list[tuple[str, object]]:
+    """(name, run) of each peer for one batch of prompts: transformers' model `peer` and, at batch 1, llama.cpp's
+    model `llama` (either None when it is not a peer)."""
+    runs = [("transformers", PeerRun(peer, batch, args.max_new_tokens, args.temperature))] if peer is not None else []
+    if llama is not None and len(batch) == 1:
+        runs.append(("llama.cpp", LlamaCppRun(llama, batch, args.max_new_tokens)))
+    return runs
+
+
 def progress_line(row: dict) -> str:
     """One finished row, printed as soon as its batch is timed (a run cut short keeps what it measured)."""
     numerics = {True: ", invariant", False: ", default numerics"}.get(row.get("invariant"), "")
@@ -268,9 +274,9 @@ def progress_line(row: dict) -> str:
             f"{row['tokens_per_second']:.1f} tokens/s{same}")  # fmt: skip
 
 
-def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peer_runs=()):
+def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peers=()):
     """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then the peers
-    (`peer_runs`: (name, run) pairs),
+    (`peers`: (name, run) pairs),
     timed in interleaved sweeps; with --split, each fixed k with its round's parts and the plain rows with their
     roofline fraction."""
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False,
@@ -296,7 +302,7 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
         cfg = DecodeConfig(num_draft=k, **{**settings, "invariant": not args.invariant})
         rows.append({"impl": "mtp_jax", "batch": len(ids), "k": k, "invariant": not args.invariant})
         runs.append(OursRun(model, ids, lens, cfg))
-    for name, peer_run in peer_runs:
+    for name, peer_run in peers:
         rows.append({"impl": name, "batch": len(ids), "k": 0})
         runs.append(peer_run)
     results = []

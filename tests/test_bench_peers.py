@@ -3,21 +3,26 @@ which rows it joins, the token ids it is given, and that every timed call prefil
 
 from __future__ import annotations
 
+import argparse
 import importlib.machinery
-import json
 import sys
 import types
+import typing
 
+import numpy as np
 import pytest
+from flax import nnx
 
-from mtp_jax.bench import main as bench_main
-from mtp_jax.bench_peers import llama_cpp_available
+import mtp_jax
+from mtp_jax import bench
+from mtp_jax.bench_peers import LlamaCppRun, llama_cpp_available
+from mtp_jax.shapes import SHAPES
 
 
 class FakeLlama:
     """Greedy decoding stand-in: token i after a prompt is (sum of the prompt + i) % 97; records each call."""
 
-    instances: list = []
+    instances: typing.ClassVar[list] = []
 
     def __init__(self, model_path: str, **settings):
         self.model_path, self.settings, self.prompts, self.fresh = model_path, settings, [], False
@@ -55,24 +60,32 @@ def test_available_only_for_a_gguf_with_the_module(fake_llama_cpp, monkeypatch):
     assert not llama_cpp_available("m.gguf")
 
 
-def test_llama_cpp_joins_the_batch_one_rows(fake_llama_cpp, smollm2_path, tmp_path, capsys):
-    out = tmp_path / "b.json"
-    code = bench_main([
-        "--model", smollm2_path, "--batch-sizes", "1,2", "--num-draft", "0", "--max-new-tokens", "4",
-        "--repeats", "2", "--no-split", "--json", str(out),
-    ])  # fmt: skip
-    assert code == 0, capsys.readouterr().err
-    result = json.loads(out.read_text())
-    rows = result["rows"]
-    assert [(r["impl"], r["batch"]) for r in rows if r["impl"] not in ("mtp_jax", "mtp_jax adaptive")] == [
-        ("transformers", 1), ("llama.cpp", 1), ("transformers", 2)
-    ]  # fmt: skip
-    llama_row = next(r for r in rows if r["impl"] == "llama.cpp")
-    assert llama_row["generated_tokens"] == 4 and llama_row["tokens_per_second"] > 0
-    assert llama_row["same_tokens"] is False  # the stand-in's tokens are not the model's
-    (llm,) = FakeLlama.instances
-    assert llm.model_path == smollm2_path
-    assert len(llm.prompts) == 1 + 2  # the warm-up and two timed sweeps, each from a fresh cache
-    assert llm.prompts[0] == llm.prompts[-1] and len(llm.prompts[0]) > 4  # the same encoded prompt ours decodes
-    assert any("llama.cpp runs at batch 1 only" in note for note in result["meta"]["notes"])
-    assert "| llama.cpp (sequential cache) | 1 |" in capsys.readouterr().out
+def bench_args(*extra: str) -> argparse.Namespace:
+    return bench.build_parser().parse_args(["--max-new-tokens", "4", "--repeats", "2", "--no-split", *extra])
+
+
+def test_llama_cpp_joins_the_batch_one_rows_only(fake_llama_cpp):
+    prompts = [types.SimpleNamespace(token_ids=[5, 6, 7, 8, 9]), types.SimpleNamespace(token_ids=[3, 4, 5])]
+    notes = []
+    llama = bench.llama_cpp_peer(bench_args(), "m.gguf", prompts, notes)
+    assert llama.model_path == "m.gguf" and llama.settings["n_ctx"] >= 5 + 4
+    assert any("llama.cpp runs at batch 1 only" in note for note in notes)
+    assert [name for name, _ in bench.peer_runs(bench_args(), prompts[:1], None, llama)] == ["llama.cpp"]
+    assert bench.peer_runs(bench_args(), prompts, None, llama) == []
+    assert bench.llama_cpp_peer(bench_args("--temperature", "0.7"), "m.gguf", prompts, notes) is None
+    assert bench.llama_cpp_peer(bench_args(), "folder", prompts, notes) is None
+
+
+def test_a_llama_cpp_row_beside_ours():
+    """Its row from the fastest of the interleaved runs; every call decodes the prompt's own ids from a fresh cache."""
+    model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
+    prompt = [11, 12, 13, 14]
+    ids, lens = np.asarray([[*prompt, 0, 0, 0, 0]], np.int32), np.asarray([4], np.int32)  # [1, 8], [1]
+    llm = FakeLlama("m.gguf")
+    run = LlamaCppRun(llm, [types.SimpleNamespace(token_ids=prompt)], 4)
+    results = bench.time_batch(bench_args(), model, ids, lens, [0], None, [("llama.cpp", run)])
+    (ours, _), (row, tokens) = results
+    assert ours["impl"] == "mtp_jax" and row["impl"] == "llama.cpp" and row["cache"] == "sequential"
+    assert tokens.tolist() == [[(sum(prompt) + i) % 97 for i in range(4)]]
+    assert row["generated_tokens"] == 4 and row["tokens_per_second"] > 0 and len(row["walls"]) == 2
+    assert llm.prompts == [prompt] * 3  # the warm-up and two timed sweeps
