@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from huggingface_hub import constants, snapshot_download
+from huggingface_hub import constants
 from huggingface_hub.errors import (
     HfHubHTTPError,
     HFValidationError,
@@ -54,6 +54,8 @@ def local_path(text: str | os.PathLike, files: list[str] = NEEDED_FILES) -> str 
     if ref is None:
         return text
     repo, revision = ref
+    from huggingface_hub import snapshot_download  # the hub client: about half a second, only for a repo id
+
     try:
         return snapshot_download(repo, revision=revision, allow_patterns=files, ignore_patterns=SUBFOLDERS)
     except LocalEntryNotFoundError as e:

@@ -15,8 +15,14 @@ from mtp_jax.families.registry import FAMILIES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("mtp_jax", "checkpoints_convert")
-# Imported inside a function only: heavy to import, and needed by one path (a tokenizer, a PyTorch peer, libtpu).
-LAZY_IMPORTS = ("transformers", "torch", "jax.experimental.topologies", "llama_cpp")
+# Imported inside a function only: heavy to import, and needed by one path (a tokenizer, a peer, libtpu, the hub).
+LAZY_IMPORTS = (
+    "transformers",
+    "torch",
+    "jax.experimental.topologies",
+    "llama_cpp",
+    "huggingface_hub.snapshot_download",
+)
 MAX_FUNCTION_LINES = 80
 
 
