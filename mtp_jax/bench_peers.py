@@ -146,7 +146,7 @@ class LlamaCppRun:
 
     def result(self, walls: list[float]) -> tuple[dict, np.ndarray]:
         wall, steps = min(walls), self.max_new_tokens - 1
-        fields = {"cache": "sequential", "rounds": steps * len(self.prompts), "generated_tokens": int(self.out.size),
+        fields = {"rounds": steps * len(self.prompts), "generated_tokens": int(self.out.size),
                   "mean_accepted_length": 1.0, "acceptance_rate": 0.0, "acceptance_per_position": [],
                   "tokens_per_second": self.out.size / wall, "wall_seconds": wall, "compile_seconds": None,
                   "walls": walls, **per_round(wall, min(self.prefill_walls), steps * len(self.prompts))}  # fmt: skip

@@ -88,11 +88,14 @@ def _batched_and_alone(model, invariant: bool):
     positions = lens[:, None] + np.arange(BLOCK)
     batched = _block_logits(model, cache, jnp.asarray(blocks), jnp.asarray(positions), "every_state")[:2]
     alone = []
+    copies = 2 if invariant else 1  # as `generate` decodes a lone prompt in invariant mode: beside a copy of itself
     for row, prompt in enumerate(prompts):
-        cache = _prefill(model, jnp.asarray(prompt[None]), jnp.asarray([len(prompt)], np.int32), invariant)
+        cache = _prefill(
+            model, jnp.asarray([prompt] * copies), jnp.asarray([len(prompt)] * copies, np.int32), invariant
+        )
         steps = []
         for t in range(BLOCK):
-            token, position = blocks[row : row + 1, t : t + 1], positions[row : row + 1, t : t + 1]
+            token, position = blocks[[row] * copies, t : t + 1], positions[[row] * copies, t : t + 1]
             trunk, mtp, cache = _block_logits(model, cache, jnp.asarray(token), jnp.asarray(position), "last_state")
             steps.append((trunk[0, 0], mtp[0, 0]))
         alone.append([jnp.stack(parts) for parts in zip(*steps, strict=True)])
@@ -118,8 +121,10 @@ def test_default_mode_depends_on_the_pass():
 
 
 def test_row_sums_and_projections_do_not_depend_on_the_number_of_rows():
-    """The two primitives under the blocks: `row_sum` (norms, softmax totals) and `project` (every projection)
-    give each row the same bits in a pass of 1, 2, 3, 8 or 64 rows, and agree with the plain sum and einsum."""
+    """The two primitives under the blocks: `row_sum` (norms, softmax totals) gives each row the same bits in a
+    pass of 1, 2, 3, 8 or 64 rows, `project` (every projection) in a pass of 2, 3, 8 or 64 (invariant decoding
+    never passes a single row: a lone prompt decodes beside its copy), and both agree with the plain sum and
+    einsum."""
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(64, 576)), jnp.float32)
     sums = jax.jit(row_sum)
@@ -133,6 +138,7 @@ def test_row_sums_and_projections_do_not_depend_on_the_number_of_rows():
     np.testing.assert_allclose(projected, expected, rtol=2e-2, atol=2e-2)
     for count in (1, 2, 3, 8):
         np.testing.assert_array_equal(np.asarray(sums(x[:count])), full[:count])
+    for count in (2, 3, 8):
         np.testing.assert_array_equal(np.asarray(proj(rows[:count]).astype(jnp.float32)), projected[:count])
 
 

@@ -8,8 +8,9 @@ differs again between 32 and 40 rows; with bfloat16 operands and float32 results
 gave each row bit for bit the same sums, wherever the row sat (and 5-9x faster there than a bfloat16-out dot).
 
 So every projection here takes float32 results (`preferred_element_type`) and rounds once to the activations'
-dtype, and a pass of a single row is computed as two (the row and a copy; the copy is dropped). Accelerators
-accumulate matmuls in float32 anyway, and a second row is free on them.
+dtype. A pass of a single row is left alone: batch-invariant decoding never makes one, since it decodes a lone
+prompt beside a copy of itself (`speculative.generate`), and widening every one-row product to two rows cost plain
+decoding at batch 1 a third of its speed on this CPU.
 
 Sums along a row (a norm's mean square, a softmax's total) are reductions, and XLA picks a reduction's order by
 shape too: on XLA:CPU the float32 mean square of 576 values came out differently for 1, 2, 4 and 8 rows in most of
@@ -17,8 +18,6 @@ shape too: on XLA:CPU the float32 mean square of 576 values came out differently
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,21 +30,17 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
     """jnp.einsum(equation, x, weight) with float32 results rounded to `out_dtype` (default: x's dtype); a weight
     stored quantized goes in as stored (`quant.quantized_einsum`: pass the parameter's value, not `param[...]`,
     which dequantizes). x's axes that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows;
-    "...D,DV->...V": every leading axis; "EMF,EFD->EMD": M rows for each E); a single row is computed beside a
-    copy of itself. A batch of matmuls
+    "...D,DV->...V": every leading axis; "EMF,EFD->EMD": M rows for each E). A batch of matmuls
     (an axis of x and the weight that the output keeps, e.g. latent attention's per-head absorption) keeps x's
     dtype out, as plain einsum does: XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    row_axis = _single_row_axis(equation, x)
-    if row_axis is not None:
-        x = jnp.concatenate([x, x], axis=row_axis[0])
     if isinstance(weight, QuantizedArray):  # the stored values in the matmul, the scales on its partial products
         out = quantized_einsum(equation, x, weight).astype(out_dtype)
     elif _batched(equation) and out_dtype == x.dtype:
         out = jnp.einsum(equation, x, weight)
     else:
         out = jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
-    return out if row_axis is None else jax.lax.slice_in_dim(out, 0, 1, axis=row_axis[1])
+    return out
 
 
 def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -63,25 +58,6 @@ def _batched(equation: str) -> bool:
     inputs, output = equation.split("->")
     lhs, rhs = inputs.split(",")
     return any(letter in rhs and letter in output for letter in lhs.removeprefix("..."))
-
-
-def _single_row_axis(equation: str, x: jax.Array) -> tuple[int, int] | None:
-    """Where x brings a single row to `equation` (a leading "..." only): (an axis of x, the same axis in the
-    output) to widen it along; None when x has several rows or none."""
-    inputs, output = equation.split("->")
-    lhs, rhs = inputs.split(",")
-    letters = lhs.removeprefix("...")
-    leading = x.ndim - len(letters)  # the axes "..." stands for
-    row_letters = [letter for letter in letters if letter not in rhs]
-    sizes = dict(zip(letters, x.shape[leading:], strict=True))
-    if math.prod(x.shape[:leading]) * math.prod(sizes[letter] for letter in row_letters) != 1:
-        return None
-    if leading:
-        return 0, 0
-    if not row_letters:
-        return None
-    letter = row_letters[0]
-    return letters.index(letter), output.index(letter)
 
 
 def row_sum(x: jax.Array) -> jax.Array:
