@@ -139,6 +139,7 @@ def test_overwrite_killed_at_every_step_leaves_the_old_or_the_new_model(
 
 CHILD = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even if the runner ignores it
 from mtp_jax.conversion import convert, writer
 from checkpoints_convert.__main__ import main
 

@@ -61,6 +61,7 @@ def partials(folder) -> list[str]:
 
 CHILD = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even if the runner ignores it
 from mtp_jax import stats
 from mtp_jax.decode import main
 
