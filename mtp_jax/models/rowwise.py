@@ -35,12 +35,10 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
     dtype out, as plain einsum does: XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if isinstance(weight, QuantizedArray):  # the stored values in the matmul, the scales on its partial products
-        out = quantized_einsum(equation, x, weight).astype(out_dtype)
-    elif _batched(equation) and out_dtype == x.dtype:
-        out = jnp.einsum(equation, x, weight)
-    else:
-        out = jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
-    return out
+        return quantized_einsum(equation, x, weight).astype(out_dtype)
+    if _batched(equation) and out_dtype == x.dtype:
+        return jnp.einsum(equation, x, weight)
+    return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
