@@ -29,7 +29,7 @@ from mtp_jax.cache import cache_slots
 from mtp_jax.config import DecodeConfig
 from mtp_jax.decode import add_storage_arguments, positive_int
 from mtp_jax.default_model import default_gguf_path
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import OneLineParser, UserError, run_cli
 from mtp_jax.hub import MODEL_HELP, local_path, names_a_model
 from mtp_jax.models import causal_lm
 from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
@@ -53,11 +53,6 @@ DEFAULT_PROMPTS = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")  # one line, no usage dump
-
-
 def int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -69,7 +64,7 @@ def int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m mtp_jax.bench", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m mtp_jax.bench", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help=f"{MODEL_HELP} (default: SmolLM2-135M)")
     source.add_argument("--random-shape", choices=sorted(SHAPES), help="time random weights of a named shape")

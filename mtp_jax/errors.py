@@ -1,5 +1,6 @@
 """The project's error types (one base, `MtpError`) and the entry points' one-line reporting of them."""
 
+import argparse
 import sys
 
 
@@ -13,6 +14,13 @@ class UserError(MtpError):
 
 class ConversionError(MtpError):
     """A checkpoint that cannot be mapped: unknown family, missing/unexpected tensor, bad shape, corrupt file."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal of a bad flag is one line ("error: ...", exit status 2), no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")
 
 
 def run_cli(run, args) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 
 from mtp_jax import quant
 from mtp_jax.decode import positive_int
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import OneLineParser, UserError, run_cli
 from mtp_jax.models.rowwise import project
 from mtp_jax.stats import describe_device
 
@@ -95,7 +95,7 @@ def markdown(results: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mtp_jax.matmul_bench", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m mtp_jax.matmul_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=weight_shape, nargs="+", default=[(4096, 11008), (7168, 18432)],
                         help="weights as INPUTSxOUTPUTS (default: 4096x11008 7168x18432)")  # fmt: skip
     parser.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 64], help="default: 1 8 64")

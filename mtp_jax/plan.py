@@ -23,7 +23,7 @@ from flax import nnx
 from mtp_jax import planning, shapes, sharding, topology
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
 from mtp_jax.decode import check_output_path, positive_int
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import OneLineParser, UserError, run_cli
 from mtp_jax.families.registry import family_of
 from mtp_jax.files import write_atomically
 from mtp_jax.hub import local_path
@@ -31,11 +31,6 @@ from mtp_jax.models.causal_lm import preferred_layout
 from mtp_jax.planning import PARAM_SIZED
 
 ASSUMED_ACCEPTANCE = (0.8, "assumed: no published per-position figure for this family")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"error: {message}\n")
 
 
 def float_list(text: str) -> list[float]:
@@ -49,7 +44,7 @@ def float_list(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m mtp_jax.plan", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m mtp_jax.plan", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--model",

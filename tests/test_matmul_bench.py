@@ -24,4 +24,5 @@ def test_a_bad_shape_is_refused(bad, capsys):
         matmul_bench.main(["--shapes", bad])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert "weight shape" in err or "multiples of 128" in err
