@@ -1,11 +1,13 @@
 """MTP self-speculative decoding in JAX/Flax."""
 
+from mtp_jax import flax_import  # noqa: F401  (first: flax without IPython)
 from mtp_jax.checkpoint import load, load_model
 from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
 from mtp_jax.models.causal_lm import CausalLM, unstack_layers
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.speculative import GenerateOutput, generate
+from mtp_jax.speculative import GenerateOutput, generate, generate_chunks
 from mtp_jax.text import TextOutput, TextResult, generate_text
+from mtp_jax.text_stream import stream_text
 
 __all__ = [
     "CausalLM",
@@ -18,8 +20,10 @@ __all__ = [
     "TextOutput",
     "TextResult",
     "generate",
+    "generate_chunks",
     "generate_text",
     "load",
     "load_model",
+    "stream_text",
     "unstack_layers",
 ]

@@ -15,6 +15,7 @@ block's `visible_from` hides everything before it from the MTP layer's attention
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -96,20 +97,50 @@ def _estimated_costs(model: CausalLM, max_draft: int) -> tuple[float, ...]:
 def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):
     model: CausalLM = nnx.merge(graphdef, params)
     lone = cfg.invariant and prompt_ids.shape[0] == 1
-    if lone:  # batch-invariant decoding runs a lone row beside its twin (every op then sees the shapes of a batch)
-        key = key if key.ndim else jax.random.split(key, 1)  # the row's own stream, as without the twin
-        prompt_ids, prompt_lens, key, sampling = jax.tree.map(two_rows, (prompt_ids, prompt_lens, key, sampling))
+    prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
     with activate(model.sharding_rules):  # a model on a mesh: rows over `data`, heads and vocab over `model`
         state = start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_step(model, cfg, sampling, greedy), state)
-        valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
-        out = GenerateOutput(
-            tokens=constrain(jnp.where(valid, state.tokens[:, : cfg.max_new_tokens], 0), ("batch", None)),
-            lengths=constrain(state.num_generated, ("batch",)),
-            finished_by_eos=constrain(state.finished_by_eos, ("batch",)),
-            stats=state.stats,
-        )
-        return out.first_of_twins() if lone else out
+        return _output(state, cfg, lone)
+
+
+def _twinned(lone: bool, prompt_ids, prompt_lens, key, sampling):
+    """The arguments of a lone row under batch-invariant decoding as two identical rows (every op then sees the
+    shapes of a batch); as given otherwise."""
+    if not lone:
+        return prompt_ids, prompt_lens, key, sampling
+    key = key if key.ndim else jax.random.split(key, 1)  # the row's own stream, as without the twin
+    return jax.tree.map(two_rows, (prompt_ids, prompt_lens, key, sampling))
+
+
+def _output(state: LoopState, cfg: DecodeConfig, lone: bool) -> GenerateOutput:
+    """What `generate` returns from the loop's state (at its end, or between chunks of rounds)."""
+    valid = jnp.arange(cfg.max_new_tokens) < state.num_generated[:, None]
+    out = GenerateOutput(
+        tokens=constrain(jnp.where(valid, state.tokens[:, : cfg.max_new_tokens], 0), ("batch", None)),
+        lengths=constrain(state.num_generated, ("batch",)),
+        finished_by_eos=constrain(state.finished_by_eos, ("batch",)),
+        stats=state.stats,
+    )
+    return out.first_of_twins() if lone else out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy", "lone"))
+def _start_chunks(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg, greedy: bool, lone: bool):
+    model: CausalLM = nnx.merge(graphdef, params)
+    prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
+    with activate(model.sharding_rules):
+        return start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy), sampling
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy", "lone"), donate_argnames=("state",))
+def _run_chunk(graphdef, params, state: LoopState, limit, sampling, cfg, greedy: bool, lone: bool):
+    """Rounds from `state` until every row is done or has at least `limit` tokens: (state, output so far)."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    short = lambda s: jnp.any(~s.done & (s.num_generated < limit))
+    with activate(model.sharding_rules):
+        state = jax.lax.while_loop(short, round_step(model, cfg, sampling, greedy), state)
+        return state, _output(state, cfg, lone)
 
 
 def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
@@ -148,6 +179,35 @@ def generate(
     """
     args, static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
     return _generate(*args, **static)
+
+
+def generate_chunks(
+    model: CausalLM,
+    prompt_ids: jax.Array,
+    prompt_lens: jax.Array,
+    key: jax.Array,
+    cfg: DecodeConfig | None = None,
+    sampling: SamplingParams | None = None,
+    chunk_tokens: int = 16,
+) -> Iterator[GenerateOutput]:
+    """`generate`, as it goes: yields the output so far each time every row not yet done has `chunk_tokens` more
+    tokens (at least; a round may add up to k + 1), the last time when every row is done. The rounds are those of
+    `generate`, run in pieces (one jitted call per piece, the loop state kept on device between them), so the last
+    output is `generate`'s; each earlier one holds a prefix of every row's tokens."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+    cfg, greedy = static["cfg"], static["greedy"]
+    lone = cfg.invariant and inputs[0].shape[0] == 1
+    state, sampling = _start_chunks(graphdef, params, *inputs, cfg=cfg, greedy=greedy, lone=lone)
+    limit = 0
+    while True:
+        limit = min(limit + chunk_tokens, cfg.max_new_tokens)
+        state, out = _run_chunk(graphdef, params, state, limit, sampling, cfg=cfg, greedy=greedy, lone=lone)
+        finished = bool(jnp.all(state.done))
+        yield out
+        if finished:
+            return
 
 
 def compile_generate(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> CompiledGenerate:

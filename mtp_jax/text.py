@@ -82,11 +82,7 @@ def generate_text(
     sampling streams' seed (unused when greedy).
     """
     items = checked_prompts(prompts)
-    cfg = cfg if cfg is not None else DecodeConfig(num_draft=3 if model.config.has_mtp else 0)
-    if not isinstance(cfg, DecodeConfig):
-        raise UserError(f"cfg must be a DecodeConfig, got {type(cfg).__name__}")
-    if cfg.num_draft and not model.config.has_mtp:
-        raise UserError("this model has no MTP head: use DecodeConfig(num_draft=0)")
+    cfg = checked_config(model, cfg)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     cfg_model = model.config
@@ -98,6 +94,16 @@ def generate_text(
     results: list[TextResult] = []
     summary = decode_batches(model, tokenizer, encoded, cfg, rows, row_sampling(cfg, seed), results.extend)
     return TextOutput(results, summary)
+
+
+def checked_config(model: CausalLM, cfg: DecodeConfig | None) -> DecodeConfig:
+    """`cfg`, or the default for `model` (3 drafts with an MTP head, else none); a wrong one refused in one line."""
+    cfg = cfg if cfg is not None else DecodeConfig(num_draft=3 if model.config.has_mtp else 0)
+    if not isinstance(cfg, DecodeConfig):
+        raise UserError(f"cfg must be a DecodeConfig, got {type(cfg).__name__}")
+    if cfg.num_draft and not model.config.has_mtp:
+        raise UserError("this model has no MTP head: use DecodeConfig(num_draft=0)")
+    return cfg
 
 
 def checked_prompts(prompts) -> list[str | list[int]]:

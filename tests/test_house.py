@@ -22,6 +22,7 @@ LAZY_IMPORTS = (
     "jax.experimental.topologies",
     "llama_cpp",
     "huggingface_hub.snapshot_download",
+    "orbax.checkpoint",
 )
 MAX_FUNCTION_LINES = 80
 

@@ -122,3 +122,17 @@ def test_state_file_round_trip_in_place(tmp_path, dtype):
         in_place += any(a <= restored[key].unsafe_buffer_pointer() < b for a, b in ranges)
     aligned = sum(v.nbytes % 64 == 0 for v in params.values())
     assert jax.default_backend() != "cpu" or in_place >= aligned > 0
+
+
+def test_the_command_line_imports_neither_ipython_nor_orbax():
+    """Startup time: flax is imported without IPython (mtp_jax/flax_import.py) and orbax only where a folder is
+    written or read; IPython, where installed, still imports afterwards."""
+    probe = (
+        "import sys, importlib.util, mtp_jax.decode\n"
+        "print(sorted(m for m in ('IPython', 'orbax.checkpoint') if m in sys.modules))\n"
+        "if importlib.util.find_spec('IPython'):\n"
+        "    import IPython\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "ok"]

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 import jax
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.conversion.writer import write_folder
@@ -272,6 +271,8 @@ def write_converted(dst: str, cfg: ModelConfig, params: dict, tokenizer, report:
         with open(os.path.join(folder, CONFIG_FILE), "w") as f:
             f.write(cfg.to_json())
         flat, manifest = split_quantized(params)
+        import orbax.checkpoint as ocp  # 0.3 s of imports: only where a folder is written or read
+
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(os.path.join(folder, PARAMS_DIR), nest(flat))
         write_manifest(folder, manifest)

@@ -1,0 +1,57 @@
+"""`stream_text`: one prompt's answer as it is generated, for a chat window or a terminal.
+
+The decode loop runs in pieces (`speculative.generate_chunks`: one jitted call per `chunk_tokens` tokens, its state
+kept on device between calls), the same rounds `generate_text` runs, so the pieces of text add up to
+`generate_text`'s answer (with a tokenizer that decodes a prefix of the tokens to a prefix of the text, as
+byte-level BPE tokenizers do). After each piece the tokens so far are decoded and the new text is yielded; a trailing
+incomplete character (a multi-byte character split across tokens decodes as U+FFFD) waits for the next piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from mtp_jax import speculative
+from mtp_jax.config import DecodeConfig
+from mtp_jax.errors import UserError
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.prompts import bucket, encode_prompts, pad_batch
+from mtp_jax.sharding import to_host
+from mtp_jax.text import check_budget, checked_config, checked_prompts, row_sampling
+
+INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
+
+
+def stream_text(
+    model: CausalLM,
+    prompt: str | Sequence[int],
+    cfg: DecodeConfig | None = None,
+    *,
+    tokenizer=None,
+    chat: bool = True,
+    seed: int = 0,
+    chunk_tokens: int = 16,
+) -> Iterator[str]:
+    """Pieces of the answer to `prompt` (a string, or token ids used exactly as given) as they are generated;
+    joined, they are `generate_text(model, [prompt], cfg, tokenizer=..., chat=..., seed=...)`'s text. Arguments
+    as `generate_text` takes them; `chunk_tokens`: tokens per piece (at least; a round may add up to k + 1)."""
+    if tokenizer is None:
+        raise UserError("stream_text needs the model's tokenizer (mtp_jax.load returns it beside the model)")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise UserError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
+    cfg = checked_config(model, cfg)
+    encoded = encode_prompts(checked_prompts([prompt]), tokenizer, chat=chat, vocab_size=model.config.vocab_size,
+                             context=model.config.max_position_embeddings)  # fmt: skip
+    check_budget(model, encoded, cfg, 1)
+    ids, lens = pad_batch(encoded, 1, bucket(len(encoded[0].token_ids)))  # [1, width], [1]
+    keys, sampling = row_sampling(cfg, seed)(np.zeros(1, np.int64))
+    sent = ""
+    for out in speculative.generate_chunks(model, ids, lens, keys, cfg, sampling, chunk_tokens):
+        tokens, length = to_host(out.tokens)[0], int(to_host(out.lengths)[0])
+        text = tokenizer.decode(tokens[:length].tolist(), skip_special_tokens=True)
+        ready = text.rstrip(INCOMPLETE) if length < cfg.max_new_tokens and not to_host(out.finished_by_eos)[0] else text
+        if ready.startswith(sent) and len(ready) > len(sent):
+            yield ready[len(sent) :]
+            sent = ready
