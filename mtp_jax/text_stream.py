@@ -19,7 +19,7 @@ from mtp_jax.errors import UserError
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.prompts import bucket, encode_prompts, pad_batch
 from mtp_jax.sharding import to_host
-from mtp_jax.text import check_budget, checked_config, checked_prompts, row_sampling
+from mtp_jax.text import batch_rows, check_budget, checked_config, checked_prompts, row_sampling
 
 INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
 
@@ -44,9 +44,10 @@ def stream_text(
     cfg = checked_config(model, cfg)
     encoded = encode_prompts(checked_prompts([prompt]), tokenizer, chat=chat, vocab_size=model.config.vocab_size,
                              context=model.config.max_position_embeddings)  # fmt: skip
-    check_budget(model, encoded, cfg, 1)
-    ids, lens = pad_batch(encoded, 1, bucket(len(encoded[0].token_ids)))  # [1, width], [1]
-    keys, sampling = row_sampling(cfg, seed)(np.zeros(1, np.int64))
+    rows = batch_rows(model, 1, 1)  # 1, or the mesh's data shards (the prompt repeated)
+    check_budget(model, encoded, cfg, rows)
+    ids, lens = pad_batch(encoded, rows, bucket(len(encoded[0].token_ids)))  # [rows, width], [rows]
+    keys, sampling = row_sampling(cfg, seed)(np.zeros(rows, np.int64))
     sent = ""
     for out in speculative.generate_chunks(model, ids, lens, keys, cfg, sampling, chunk_tokens):
         tokens, length = to_host(out.tokens)[0], int(to_host(out.lengths)[0])

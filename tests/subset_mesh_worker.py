@@ -1,7 +1,8 @@
 """Runs in its own process with 8 CPU devices (tests/test_subset_mesh.py starts it with XLA_FLAGS set).
 
 Builds the mesh data=1,model=4 over the first 4 of the 8 devices, decodes a tiny model greedily (two drafts a round)
-on one device and on that mesh, asks for the same mesh as if this were one of two processes, and writes what it saw
+on one device and on that mesh, asks for the same mesh as if this were one of two processes, streams one prompt's
+answer on one device and on data=2,model=2 (the row repeated over the data shards), and writes what it saw
 as JSON for the test's assertions. Usage, from the repository root: python -m tests.subset_mesh_worker OUT.json
 """
 
@@ -33,6 +34,22 @@ def greedy(model) -> dict:
     }
 
 
+class WordTokenizer:
+    """Token i is the word "w<i>"; no chat template."""
+
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+def streamed(model) -> dict:
+    """One prompt's answer through `stream_text` (in pieces of 5 tokens) and through `generate_text`."""
+    cfg, prompt, tokenizer = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=16), [5, 6, 7], WordTokenizer()
+    pieces = list(mtp_jax.stream_text(model, prompt, cfg, tokenizer=tokenizer, chunk_tokens=5))
+    return {"pieces": pieces, "text": mtp_jax.generate_text(model, [prompt], cfg, tokenizer=tokenizer).texts[0]}
+
+
 def multi_process_error() -> str:
     """make_mesh's error for SPEC when jax says there are two processes (the rule of a multi-process run)."""
     real = jax.process_count
@@ -59,6 +76,8 @@ def main(out_path: str) -> None:
         "one_device": greedy(model),
         "mesh": greedy(sharded),
         "multi_process_error": multi_process_error(),
+        "streamed_one_device": streamed(model),
+        "streamed_data_mesh": streamed(sharding.shard_model(model, sharding.make_mesh("data=2,model=2"))),
     }
     with open(out_path, "w") as f:
         json.dump(report, f)

@@ -67,6 +67,13 @@ def test_subset_mesh_decodes_as_one_device(report):
     assert max(report["one_device"]["lengths"]) > 1
 
 
+def test_stream_text_on_a_mesh_with_data_shards(report):
+    """A lone prompt on data=2 (its row repeated to fill the shards) streams the one-device answer."""
+    one, mesh = report["streamed_one_device"], report["streamed_data_mesh"]
+    assert len(one["pieces"]) > 1 and "".join(one["pieces"]) == one["text"]
+    assert mesh["pieces"] == one["pieces"] and mesh["text"] == one["text"]
+
+
 def test_multi_process_runs_keep_every_device(report):
     assert "every device of every process" in report["multi_process_error"]
 
