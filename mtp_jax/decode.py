@@ -1,8 +1,9 @@
 """python -m mtp_jax.decode: batch generation from prompts to JSONL, with MTP drafting when the model has a head.
 
-Rows are written as their batch finishes: to stdout (as plain text, a block per prompt, when stdout is a terminal),
-or to FILE.partial-<settings> beside --out, renamed to --out when every row is there. A run that stops early keeps
-its finished rows there, and --resume continues it.
+Rows are written as their batch finishes: to stdout (as plain text, a block per prompt, when stdout is a terminal;
+a lone prompt's answer there appears as it is generated, `text_stream.stream_prompt`), or to FILE.partial-<settings>
+beside --out, renamed to --out when every row is there. A run that stops early keeps its finished rows there, and
+--resume continues it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mtp_jax.models import causal_lm
 from mtp_jax.prompts import encode_prompts, read_prompt_records
 from mtp_jax.sharding import make_mesh
 from mtp_jax.text import batch_rows, check_budget, decode_batches, row_sampling
+from mtp_jax.text_stream import stream_prompt
 
 
 def positive_int(text: str) -> int:
@@ -211,6 +213,17 @@ class RowOutput:
             os.fsync(self.file.fileno())
         self.written += len(rows)
 
+    def show(self, text: str) -> None:
+        """Part of a lone prompt's answer, on the terminal as it is generated (`text_stream.stream_prompt`)."""
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def shown(self, row: dict) -> None:
+        """The lone prompt's answer has been shown piece by piece: end it as `terminal_text` ends a row."""
+        sys.stdout.write("\n" if row["text"] else terminal_text(row, self.total))
+        sys.stdout.flush()
+        self.written += 1
+
     def finish(self) -> None:
         """Every row is written: the partial file becomes `--out`."""
         if self.file is not None:
@@ -333,6 +346,10 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     if not prompts[done:]:
         return None
     sampling = row_sampling(decode_cfg, args.seed, [overrides for _, overrides in records])
+    if lead and output.terminal and tokenizer is not None and len(prompts) - done == 1 and jax.process_count() == 1:
+        result, summary = stream_prompt(model, tokenizer, prompts[done], decode_cfg, sampling, output.show)
+        output.shown(result.row())
+        return {"load_seconds": load_seconds, **summary}
     write = (lambda results: output.write([r.row() for r in results])) if lead else (lambda results: None)
     summary = decode_batches(model, tokenizer, prompts[done:], decode_cfg, batch_size, sampling, write, progress=lead)
     return {"load_seconds": load_seconds, **summary}

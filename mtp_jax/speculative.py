@@ -194,16 +194,45 @@ def generate_chunks(
     tokens (at least; a round may add up to k + 1), the last time when every row is done. The rounds are those of
     `generate`, run in pieces (one jitted call per piece, the loop state kept on device between them), so the last
     output is `generate`'s; each earlier one holds a prefix of every row's tokens."""
+    (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+    static = {**static, "lone": static["cfg"].invariant and inputs[0].shape[0] == 1}
+    start = lambda params, *inputs: _start_chunks(graphdef, params, *inputs, **static)
+    run = lambda params, state, limit, sampling: _run_chunk(graphdef, params, state, limit, sampling, **static)
+    return _pieces(start, run, params, inputs, static["cfg"].max_new_tokens, chunk_tokens)
+
+
+def compile_chunks(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> CompiledChunks:
+    """Ahead-of-time compile `generate_chunks`' two programs (the prefill, a piece of rounds) for these shapes."""
+    (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+    static = {**static, "lone": static["cfg"].invariant and inputs[0].shape[0] == 1}
+    start = _start_chunks.lower(graphdef, params, *inputs, **static).compile()
+    state, sampling = jax.eval_shape(functools.partial(_start_chunks, graphdef, **static), params, *inputs)
+    placed = lambda shape, where: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where)
+    state, sampling = jax.tree.map(placed, (state, sampling), start.output_shardings)
+    run = _run_chunk.lower(graphdef, params, state, jnp.int32(0), sampling, **static).compile()
+    return CompiledChunks(start, run, static["cfg"].max_new_tokens)
+
+
+class CompiledChunks:
+    """`generate_chunks` compiled for one set of shapes and settings; called with its arguments."""
+
+    def __init__(self, start, run, max_new_tokens: int):
+        self._start, self._run, self._max_new_tokens = start, run, max_new_tokens
+
+    def __call__(self, model, prompt_ids, prompt_lens, key, cfg=None, sampling=None, chunk_tokens: int = 16):
+        (_, params, *inputs), _ = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+        return _pieces(self._start, self._run, params, inputs, self._max_new_tokens, chunk_tokens)
+
+
+def _pieces(start, run, params, inputs, max_new_tokens: int, chunk_tokens: int) -> Iterator[GenerateOutput]:
+    """The outputs of `run` (state, limit, sampling -> state, output) from `start`'s state, a piece at a time."""
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}")
-    (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-    cfg, greedy = static["cfg"], static["greedy"]
-    lone = cfg.invariant and inputs[0].shape[0] == 1
-    state, sampling = _start_chunks(graphdef, params, *inputs, cfg=cfg, greedy=greedy, lone=lone)
+    state, sampling = start(params, *inputs)
     limit = 0
     while True:
-        limit = min(limit + chunk_tokens, cfg.max_new_tokens)
-        state, out = _run_chunk(graphdef, params, state, limit, sampling, cfg=cfg, greedy=greedy, lone=lone)
+        limit = min(limit + chunk_tokens, max_new_tokens)
+        state, out = run(params, state, jnp.int32(limit), sampling)
         finished = bool(jnp.all(state.done))
         yield out
         if finished:

@@ -9,17 +9,26 @@ incomplete character (a multi-byte character split across tokens decodes as U+FF
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from mtp_jax import speculative
+from mtp_jax import compile_cache, speculative, stats
 from mtp_jax.config import DecodeConfig
 from mtp_jax.errors import UserError
 from mtp_jax.models.causal_lm import CausalLM
-from mtp_jax.prompts import bucket, encode_prompts, pad_batch
+from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
 from mtp_jax.sharding import to_host
-from mtp_jax.text import batch_rows, check_budget, checked_config, checked_prompts, row_sampling
+from mtp_jax.text import (
+    TextResult,
+    batch_results,
+    batch_rows,
+    check_budget,
+    checked_config,
+    checked_prompts,
+    row_sampling,
+)
 
 INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
 
@@ -48,11 +57,46 @@ def stream_text(
     check_budget(model, encoded, cfg, rows)
     ids, lens = pad_batch(encoded, rows, bucket(len(encoded[0].token_ids)))  # [rows, width], [rows]
     keys, sampling = row_sampling(cfg, seed)(np.zeros(rows, np.int64))
+    outputs = speculative.generate_chunks(model, ids, lens, keys, cfg, sampling, chunk_tokens)
+    for piece, _ in text_pieces(outputs, tokenizer, cfg.max_new_tokens):
+        if piece:
+            yield piece
+
+
+def stream_prompt(model: CausalLM, tokenizer, prompt: Prompt, cfg: DecodeConfig, sampling_for: Callable,
+                  on_text: Callable[[str], None], chunk_tokens: int = 16) -> tuple[TextResult, dict]:  # fmt: skip
+    """Decode one encoded prompt as `python -m mtp_jax.decode` does on a terminal, handing its text to `on_text`
+    piece by piece: (its result, the statistics summary `text.decode_batches` gives). The programs are compiled
+    ahead (`speculative.compile_chunks`), so the summary keeps the compile apart as decode_batches does."""
+    rows = batch_rows(model, 1, 1)
+    ids, lens = pad_batch([prompt], rows, bucket(len(prompt.token_ids)))  # [rows, width], [rows]
+    keys, sampling = sampling_for(np.full(rows, prompt.index))
+    start, (hits_before, misses_before) = time.perf_counter(), compile_cache.lookups()
+    program = speculative.compile_chunks(model, ids, lens, keys, cfg, sampling)
+    compile_seconds, (hits, misses) = time.perf_counter() - start, compile_cache.lookups()
+    start = time.perf_counter()
+    pieces = text_pieces(program(model, ids, lens, keys, cfg, sampling, chunk_tokens), tokenizer, cfg.max_new_tokens)
+    for piece, out in pieces:
+        last = out
+        if piece:
+            on_text(piece)
+    wall = time.perf_counter() - start
+    result = batch_results([prompt], last, tokenizer)[0]
+    summary = stats.summarize(stats.add(None, last.stats), num_draft=cfg.num_draft, generated_tokens=result.num_tokens,
+                              wall=wall, compile_seconds=compile_seconds,
+                              compile_from_cache=hits > hits_before and misses == misses_before)  # fmt: skip
+    return result, summary
+
+
+def text_pieces(outputs: Iterator[speculative.GenerateOutput], tokenizer, max_new_tokens: int):
+    """(new text, output) for each output of `generate_chunks` (row 0): the text of the tokens so far past what
+    was given before, a trailing incomplete character held back until the row is done ("" while none is new)."""
     sent = ""
-    for out in speculative.generate_chunks(model, ids, lens, keys, cfg, sampling, chunk_tokens):
+    for out in outputs:
         tokens, length = to_host(out.tokens)[0], int(to_host(out.lengths)[0])
         text = tokenizer.decode(tokens[:length].tolist(), skip_special_tokens=True)
-        ready = text.rstrip(INCOMPLETE) if length < cfg.max_new_tokens and not to_host(out.finished_by_eos)[0] else text
-        if ready.startswith(sent) and len(ready) > len(sent):
-            yield ready[len(sent) :]
-            sent = ready
+        done = length >= max_new_tokens or bool(to_host(out.finished_by_eos)[0])
+        ready = text if done else text.rstrip(INCOMPLETE)
+        piece = ready[len(sent) :] if ready.startswith(sent) else ""
+        sent += piece
+        yield piece, out

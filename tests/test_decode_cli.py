@@ -166,3 +166,32 @@ def test_terminal_text_of_one_prompt_and_of_several():
     assert terminal_text(row, 2) == "=== [1/2] Say hi twice ===\nhi hi\n"
     long = {**row, "index": 1, "prompt": "x" * 80}
     assert terminal_text(long, 2) == f"\n=== [2/2] {'x' * 59}… ===\nhi hi\n"
+
+
+class CountingTerminal(Terminal):
+    """A terminal stdout that keeps each write apart."""
+
+    def __init__(self):
+        super().__init__(tty=True)
+        self.writes = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_a_lone_prompt_streams_to_a_terminal(smollm2_path, capsys, monkeypatch, tmp_path):
+    """On a terminal the answer appears in pieces as it is generated; joined, it is the answer a pipe gets."""
+    common = ["--model", smollm2_path, "--prompt", "Name three colours.", "--max-new-tokens", "24", "--num-draft", "0"]
+    stats_json = tmp_path / "stats.json"
+    assert decode_main([*common, "--out", str(tmp_path / "row.jsonl")]) == 0
+    row = json.loads((tmp_path / "row.jsonl").read_text())
+    monkeypatch.setattr(sys, "stdout", CountingTerminal())
+    assert decode_main([*common, "--stats-json", str(stats_json)]) == 0
+    writes = sys.stdout.writes
+    monkeypatch.undo()
+    assert row["text"] and "".join(writes) == row["text"] + "\n"
+    assert len(writes) > 2, writes  # pieces of 16 tokens, then the line's end
+    stats = json.loads(stats_json.read_text())
+    assert stats["generated_tokens"] == row["num_tokens"] and stats["compile_seconds"] > 0
+    assert "tokens/s" in capsys.readouterr().err
