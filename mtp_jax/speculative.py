@@ -194,8 +194,7 @@ def generate_chunks(
     tokens (at least; a round may add up to k + 1), the last time when every row is done. The rounds are those of
     `generate`, run in pieces (one jitted call per piece, the loop state kept on device between them), so the last
     output is `generate`'s; each earlier one holds a prefix of every row's tokens."""
-    (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-    static = {**static, "lone": static["cfg"].invariant and inputs[0].shape[0] == 1}
+    (graphdef, params, *inputs), static = _chunk_arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
     start = lambda params, *inputs: _start_chunks(graphdef, params, *inputs, **static)
     run = lambda params, state, limit, sampling: _run_chunk(graphdef, params, state, limit, sampling, **static)
     return _pieces(start, run, params, inputs, static["cfg"].max_new_tokens, chunk_tokens)
@@ -203,14 +202,20 @@ def generate_chunks(
 
 def compile_chunks(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> CompiledChunks:
     """Ahead-of-time compile `generate_chunks`' two programs (the prefill, a piece of rounds) for these shapes."""
-    (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-    static = {**static, "lone": static["cfg"].invariant and inputs[0].shape[0] == 1}
-    start = _start_chunks.lower(graphdef, params, *inputs, **static).compile()
-    state, sampling = jax.eval_shape(functools.partial(_start_chunks, graphdef, **static), params, *inputs)
+    (graphdef, params, *inputs), static = _chunk_arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+    lowered = _start_chunks.lower(graphdef, params, *inputs, **static)
+    start = lowered.compile()
     placed = lambda shape, where: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where)
-    state, sampling = jax.tree.map(placed, (state, sampling), start.output_shardings)
+    state, sampling = jax.tree.map(placed, lowered.out_info, start.output_shardings)  # the prefill's outputs
     run = _run_chunk.lower(graphdef, params, state, jnp.int32(0), sampling, **static).compile()
     return CompiledChunks(start, run, static["cfg"].max_new_tokens)
+
+
+def _chunk_arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
+    """`_arguments`, with the static `lone` of the chunked programs (a lone row under batch-invariant decoding)."""
+    (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
+    static = {**static, "lone": static["cfg"].invariant and inputs[0].shape[0] == 1}
+    return (graphdef, params, *inputs), static
 
 
 class CompiledChunks:
@@ -218,10 +223,16 @@ class CompiledChunks:
 
     def __init__(self, start, run, max_new_tokens: int):
         self._start, self._run, self._max_new_tokens = start, run, max_new_tokens
+        self._state_sharding = run.input_shardings[0][1]  # the loop state as a piece takes it
 
     def __call__(self, model, prompt_ids, prompt_lens, key, cfg=None, sampling=None, chunk_tokens: int = 16):
         (_, params, *inputs), _ = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-        return _pieces(self._start, self._run, params, inputs, self._max_new_tokens, chunk_tokens)
+        # On a mesh a piece may hand some small state arrays back laid out otherwise (row counters over `data`
+        # where the prefill gave them replicated): put the state as the compiled piece takes it (a no-op else).
+        run = lambda params, state, limit, sampling: self._run(
+            params, jax.device_put(state, self._state_sharding), limit, sampling
+        )
+        return _pieces(self._start, run, params, inputs, self._max_new_tokens, chunk_tokens)
 
 
 def _pieces(start, run, params, inputs, max_new_tokens: int, chunk_tokens: int) -> Iterator[GenerateOutput]:

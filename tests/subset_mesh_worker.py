@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 import mtp_jax
-from mtp_jax import sharding
+from mtp_jax import sharding, speculative
 from tests.tiny_models import predictable_model, tiny_config
 
 SPEC = "data=1,model=4"
@@ -50,6 +50,15 @@ def streamed(model) -> dict:
     return {"pieces": pieces, "text": mtp_jax.generate_text(model, [prompt], cfg, tokenizer=tokenizer).texts[0]}
 
 
+def compiled_chunks(model) -> list:
+    """The last output's tokens of `generate_chunks` compiled ahead (as decode streams to a terminal)."""
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=16)
+    ids, lens = np.concatenate([IDS[:1], IDS[:1]]), np.concatenate([LENS[:1], LENS[:1]])  # two rows: data=2
+    program = speculative.compile_chunks(model, ids, lens, jax.random.key(0), cfg)
+    pieces = list(program(model, ids, lens, jax.random.key(0), cfg, chunk_tokens=5))
+    return np.asarray(pieces[-1].tokens).tolist()
+
+
 def multi_process_error() -> str:
     """make_mesh's error for SPEC when jax says there are two processes (the rule of a multi-process run)."""
     real = jax.process_count
@@ -78,6 +87,8 @@ def main(out_path: str) -> None:
         "multi_process_error": multi_process_error(),
         "streamed_one_device": streamed(model),
         "streamed_data_mesh": streamed(sharding.shard_model(model, sharding.make_mesh("data=2,model=2"))),
+        "compiled_chunks_one_device": compiled_chunks(model),
+        "compiled_chunks_data_mesh": compiled_chunks(sharding.shard_model(model, sharding.make_mesh("data=2,model=2"))),
     }
     with open(out_path, "w") as f:
         json.dump(report, f)

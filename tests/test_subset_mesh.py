@@ -74,6 +74,11 @@ def test_stream_text_on_a_mesh_with_data_shards(report):
     assert mesh["pieces"] == one["pieces"] and mesh["text"] == one["text"]
 
 
+def test_chunks_compiled_ahead_on_a_mesh_with_data_shards(report):
+    assert report["compiled_chunks_data_mesh"] == report["compiled_chunks_one_device"]
+    assert any(report["compiled_chunks_one_device"][0])
+
+
 def test_multi_process_runs_keep_every_device(report):
     assert "every device of every process" in report["multi_process_error"]
 
