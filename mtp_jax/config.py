@@ -365,7 +365,8 @@ class DecodeConfig:
       bytes (right for memory-bound devices).
     invariant: batch-invariant numerics: each row's tokens the same whatever else shares its passes (other rows,
       their lengths, a verify block's other positions), so greedy MTP equals plain decoding in bfloat16 too, at any
-      batch size (models/cache_attention.py: `attend_written_cache`; caches are sized in whole attention chunks).
+      batch size (models/cache_attention.py: `attend_written_cache`; caches are sized in whole attention chunks;
+      on one GPU every product runs in fixed tiles: models/fixed_tiles.py).
     """
 
     num_draft: int = 3

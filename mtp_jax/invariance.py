@@ -32,6 +32,7 @@ from mtp_jax.hub import MODEL_HELP
 from mtp_jax.models import loops
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
 from mtp_jax.models.causal_lm import CausalLM, LayerStack
+from mtp_jax.models.fixed_tiles import invariant_products
 from mtp_jax.prompts import encode_prompts, read_prompt_file
 
 EVAL_PROMPTS = pathlib.Path(__file__).parent / "data" / "eval_prompts.jsonl"
@@ -94,8 +95,9 @@ def _prefill_and_step(model, ids, lens, next_ids, invariant: bool, slots: int):
     attention = "invariant" if invariant else default_attention(slots)
     pasts = _empty_pasts(model, batch, slots, attention)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    prefill, pasts = trace(model, ids, positions, pasts, attention)
-    step, _ = trace(model, next_ids[:, None], lens[:, None], pasts, attention)
+    with invariant_products(invariant):
+        prefill, pasts = trace(model, ids, positions, pasts, attention)
+        step, _ = trace(model, next_ids[:, None], lens[:, None], pasts, attention)
     return prefill, step
 
 

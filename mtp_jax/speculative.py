@@ -14,6 +14,7 @@ block's `visible_from` hides everything before it from the MTP layer's attention
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 
@@ -27,6 +28,7 @@ from mtp_jax.config import DecodeConfig
 from mtp_jax.loop_state import DecodeStats, LoopState
 from mtp_jax.models.cache_attention import two_rows
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.fixed_tiles import invariant_products
 from mtp_jax.prefill import prefill
 from mtp_jax.rounds import Round, RoundKind, round_context, run_round
 from mtp_jax.sampling import SamplingParams
@@ -98,10 +100,18 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: Dec
     model: CausalLM = nnx.merge(graphdef, params)
     lone = cfg.invariant and prompt_ids.shape[0] == 1
     prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
-    with activate(model.sharding_rules):  # a model on a mesh: rows over `data`, heads and vocab over `model`
+    with _tracing(model, cfg):
         state = start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_step(model, cfg, sampling, greedy), state)
         return _output(state, cfg, lone)
+
+
+@contextlib.contextmanager
+def _tracing(model: CausalLM, cfg: DecodeConfig) -> Iterator[None]:
+    """What a decode program is traced under: the model's mesh rules (rows over `data`, heads and vocab over
+    `model`), and products in fixed tiles where batch-invariant numerics need them (models/fixed_tiles.py)."""
+    with activate(model.sharding_rules), invariant_products(cfg.invariant):
+        yield
 
 
 def _twinned(lone: bool, prompt_ids, prompt_lens, key, sampling):
@@ -129,7 +139,7 @@ def _output(state: LoopState, cfg: DecodeConfig, lone: bool) -> GenerateOutput:
 def _start_chunks(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg, greedy: bool, lone: bool):
     model: CausalLM = nnx.merge(graphdef, params)
     prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
-    with activate(model.sharding_rules):
+    with _tracing(model, cfg):
         return start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy), sampling
 
 
@@ -138,7 +148,7 @@ def _run_chunk(graphdef, params, state: LoopState, limit, sampling, cfg, greedy:
     """Rounds from `state` until every row is done or has at least `limit` tokens: (state, output so far)."""
     model: CausalLM = nnx.merge(graphdef, params)
     short = lambda s: jnp.any(~s.done & (s.num_generated < limit))
-    with activate(model.sharding_rules):
+    with _tracing(model, cfg):
         state = jax.lax.while_loop(short, round_step(model, cfg, sampling, greedy), state)
         return state, _output(state, cfg, lone)
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp_jax.models import loops
-from mtp_jax.models.rowwise import row_sum
+from mtp_jax.models.rowwise import product, row_sum
 from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
@@ -176,9 +176,8 @@ def grouped_attention(
                 keys = widen(with_block(keys, entries[0], positions, starts))
                 values = widen(with_block(values, entries[1], positions, starts))
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-            scores = jnp.einsum("BTKGH,BCKH->BKGTC", widen(q_rows), keys, preferred_element_type=f32)
-            return scores, lambda probs: jnp.einsum("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values,
-                                                    preferred_element_type=f32)  # fmt: skip
+            scores = product("BTKGH,BCKH->BKGTC", widen(q_rows), keys)
+            return scores, lambda probs: product("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values)
 
         if invariant:
             rows = widen(positions), None if visible_from is None else widen(visible_from)

@@ -205,7 +205,10 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 logits [..., V]."""
-        logits = project("...D,DV->...V", hidden, self.head_weights(), jnp.float32)
+        if self.lm_head is None:  # tied: the embedding [V, D] as stored
+            logits = project("...D,VD->...V", hidden, self.embed[...], jnp.float32)
+        else:
+            logits = project("...D,DV->...V", hidden, self.lm_head[...], jnp.float32)
         return constrain(logits, LOGITS)
 
     def draft_head(self) -> jax.Array | None:

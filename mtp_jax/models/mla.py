@@ -37,7 +37,7 @@ from mtp_jax.models.cache_attention import (
     with_block,
 )
 from mtp_jax.models.layers import RMSNorm, apply_rope, init_weight
-from mtp_jax.models.rowwise import float32_product, project
+from mtp_jax.models.rowwise import float32_product, product, project
 from mtp_jax.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
 
 
@@ -216,7 +216,7 @@ class MultiHeadLatentAttention(nnx.Module):
         def attend_chunk(first):
             chunk = read_chunks(past, first, ATTENTION_CHUNK, shards)  # [M * B, S, C], S: a chunk
             latents = widen(with_block(chunk, entries, positions, run_starts + first)).astype(dtype)
-            scores = jnp.einsum("BTNC,BSC->BNTS", query_rows, latents, preferred_element_type=jnp.float32)
+            scores = product("BTNC,BSC->BNTS", query_rows, latents)
             return scores, lambda probs: float32_product("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r])
 
         b, t, n, _ = query.shape

@@ -15,6 +15,9 @@ decoding at batch 1 a third of its speed on this CPU.
 Sums along a row (a norm's mean square, a softmax's total) are reductions, and XLA picks a reduction's order by
 shape too: on XLA:CPU the float32 mean square of 576 values came out differently for 1, 2, 4 and 8 rows in most of
 200 random trials. `row_sum` adds halves elementwise instead, a fixed tree whatever the number of rows.
+
+On a GPU, XLA's own matmul kernels differ by shape in ways a float32 result does not undo; while a batch-invariant
+decode is traced (`fixed_tiles.invariant_products`), every product here runs through fixed tiles instead.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtp_jax.models import fixed_tiles
 from mtp_jax.quant import QuantizedArray, quantized_einsum
 from mtp_jax.sharding import active_platform
 
@@ -36,6 +40,8 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if isinstance(weight, QuantizedArray):  # the stored values in the matmul, the scales on its partial products
         return quantized_einsum(equation, x, weight).astype(out_dtype)
+    if fixed_tiles.in_use():
+        return fixed_tiles.einsum(equation, x, weight).astype(out_dtype)
     if _batched(equation) and out_dtype == x.dtype:
         return jnp.einsum(equation, x, weight)
     return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -46,8 +52,17 @@ def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     no bfloat16 x bfloat16 -> float32 kernel in some layouts (latent attention's probabilities times latents failed
     to run), and a product of two bfloat16 values is exact in float32, so only the order of the float32 sums may
     differ. Elsewhere the operands stay as given."""
+    if fixed_tiles.in_use():
+        return fixed_tiles.einsum(equation, a, b)
     if active_platform() == "cpu":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+
+
+def product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum(equation, a, b) with float32 results (operands as given): attention's scores and outputs."""
+    if fixed_tiles.in_use():
+        return fixed_tiles.einsum(equation, a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 
 
