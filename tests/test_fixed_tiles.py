@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from mtp_jax import shapes
+from mtp_jax import quant, shapes
 from mtp_jax.models import fixed_tiles
 from mtp_jax.models.rowwise import project
 
@@ -80,9 +80,11 @@ def _generate(model, prompts, num_draft):
     return [np.asarray(out.tokens[row, : int(out.lengths[row])]) for row in range(len(prompts))]
 
 
-def test_decoding_on_fixed_tiles_is_lossless_and_batch_invariant_in_bfloat16(monkeypatch):
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_decoding_on_fixed_tiles_is_lossless_and_batch_invariant_in_bfloat16(weights, monkeypatch):
+    """Also with int8 weights, which the kernel takes dequantized."""
     monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
-    model = mtp_jax.CausalLM(shapes.tiny(), dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    model = quant.quantize_model(mtp_jax.CausalLM(shapes.tiny(), dtype=jnp.bfloat16, rngs=nnx.Rngs(3)), weights)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, model.config.vocab_size, n).astype(np.int32) for n in (5, 11, 8)]
     plain = _generate(model, prompts, 0)

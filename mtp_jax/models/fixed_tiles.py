@@ -14,7 +14,9 @@ nothing to another row). On a GPU the kernel is compiled by Triton; elsewhere it
 tests; slow).
 
 `invariant_products(on)` turns it on while a decode program is traced: `rowwise.project` and `rowwise.product` then
-use it on a GPU without a mesh of several devices (a custom kernel is not split by XLA's partitioner).
+use it on a GPU without a mesh of several devices (a custom kernel is not split by XLA's partitioner). A weight
+stored int8 or fp8 goes in dequantized (a copy of it in the model's dtype each pass: the mode's tokens do not depend
+on the pass, but it reads more bytes than the stored weight; a dequantizing load in the kernel would not).
 """
 
 from __future__ import annotations

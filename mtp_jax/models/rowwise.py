@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.models import fixed_tiles
-from mtp_jax.quant import QuantizedArray, quantized_einsum
+from mtp_jax.quant import QuantizedArray, dense, quantized_einsum
 from mtp_jax.sharding import active_platform
 
 
@@ -38,10 +38,10 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
     (an axis of x and the weight that the output keeps, e.g. latent attention's per-head absorption) keeps x's
     dtype out, as plain einsum does: XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if fixed_tiles.in_use():  # a quantized weight dequantized first: the kernel takes one dtype
+        return fixed_tiles.einsum(equation, x, dense(weight)).astype(out_dtype)
     if isinstance(weight, QuantizedArray):  # the stored values in the matmul, the scales on its partial products
         return quantized_einsum(equation, x, weight).astype(out_dtype)
-    if fixed_tiles.in_use():
-        return fixed_tiles.einsum(equation, x, weight).astype(out_dtype)
     if _batched(equation) and out_dtype == x.dtype:
         return jnp.einsum(equation, x, weight)
     return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
