@@ -5,11 +5,14 @@ interpreter: the same tiles and masks that Triton compiles on a GPU.
   per-expert and per-head batches) agrees with an exact float32 einsum.
 - A row's bits do not depend on how many rows share the pass (on this CPU XLA's own float32-out product gives a
   lone row other bits: the comparison can fail).
+- An int8 or fp8 weight goes in dequantized (with the quantized product first, the comparison fails).
 - Decoding with the kernels forced on (as on a GPU): greedy MTP equals plain decoding and a lone prompt equals its
   row in a batch of mixed lengths, in bfloat16; the traced program holds the kernels.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +74,19 @@ def test_used_only_while_a_batch_invariant_decode_is_traced_on_a_platform_that_n
     assert not fixed_tiles.in_use()
 
 
+@pytest.mark.parametrize("form", ["int8", "fp8"])
+def test_a_quantized_weight_enters_the_tiles_dequantized(form, monkeypatch):
+    monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 5, 256)), jnp.bfloat16)
+    weight = quant.quantize_weight(jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.float32), form, (0,), ())
+    weight = dataclasses.replace(weight, dtype=jnp.bfloat16)
+    with fixed_tiles.invariant_products(True):
+        got = project("BTD,DF->BTF", x, weight, jnp.float32)
+    want = fixed_tiles.einsum("BTD,DF->BTF", x, weight.dequantize())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def _generate(model, prompts, num_draft):
     width = max(len(p) for p in prompts)
     ids = np.stack([np.pad(p, (0, width - len(p))) for p in prompts]).astype(np.int32)
@@ -80,19 +96,15 @@ def _generate(model, prompts, num_draft):
     return [np.asarray(out.tokens[row, : int(out.lengths[row])]) for row in range(len(prompts))]
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
-def test_decoding_on_fixed_tiles_is_lossless_and_batch_invariant_in_bfloat16(weights, monkeypatch):
-    """Also with int8 weights, which the kernel takes dequantized."""
+def test_decoding_on_fixed_tiles_is_lossless_and_batch_invariant_in_bfloat16(monkeypatch):
     monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
-    model = quant.quantize_model(mtp_jax.CausalLM(shapes.tiny(), dtype=jnp.bfloat16, rngs=nnx.Rngs(3)), weights)
+    model = mtp_jax.CausalLM(shapes.tiny(), dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, model.config.vocab_size, n).astype(np.int32) for n in (5, 11, 8)]
     plain = _generate(model, prompts, 0)
     mtp = _generate(model, prompts, 2)
     for row, tokens in enumerate(plain):
         np.testing.assert_array_equal(mtp[row], tokens)
-    if weights == "int8":
-        return  # the same kernels as bfloat16's from here on
     np.testing.assert_array_equal(_generate(model, prompts[:1], 0)[0], plain[0])  # the shortest, alone
     cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=4, invariant=True)
     ids, lens = jnp.ones((1, 5), jnp.int32), jnp.asarray([5], jnp.int32)
