@@ -31,7 +31,7 @@ from mtp_jax.decode import add_storage_arguments, positive_int
 from mtp_jax.default_model import default_gguf_path
 from mtp_jax.errors import OneLineParser, UserError, run_cli
 from mtp_jax.hub import MODEL_HELP, local_path, names_a_model
-from mtp_jax.models import causal_lm
+from mtp_jax.models import causal_lm, cpu_rows
 from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 from mtp_jax.quant import quantize_model
 from mtp_jax.round_timing import RoundTimer, copy_bandwidth, plain_step_bytes, prefill_program
@@ -247,9 +247,14 @@ def llama_cpp_peer(args, peer_path: str | None, prompts, notes: list[str]):
     if args.temperature:
         notes.append("llama.cpp is timed at temperature 0 only")
         return None
-    notes.append("llama.cpp runs at batch 1 only, on the CPU, with the GGUF's own quantized weights")
     context = max(len(p.token_ids) for p in prompts) + args.max_new_tokens + 8
-    return load_llama_cpp(peer_path, context)
+    try:
+        llama = load_llama_cpp(peer_path, context)
+    except ImportError as e:  # installed without its own dependencies: not a peer, said in the table's notes
+        notes.append(f"llama.cpp not timed: llama_cpp does not import ({e})")
+        return None
+    notes.append("llama.cpp runs at batch 1 only, on the CPU, with the GGUF's own quantized weights")
+    return llama
 
 
 def peer_runs(args, batch, peer, llama) -> list[tuple[str, object]]:
@@ -332,6 +337,7 @@ def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": describe_device(),
         "host": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
+        "cpu_kernel": cpu_rows.status() if jax.default_backend() == "cpu" else "not used (not a CPU)",
         "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
         "model": label,
         "dtype": dtype,
@@ -359,7 +365,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}",
-        f"- device: {meta['device']}; host: {meta['host']}",
+        f"- device: {meta['device']}; host: {meta['host']}; CPU row kernel: {meta.get('cpu_kernel', '-')}",
         f"- versions: {versions}",
         f"- model: {meta['model']} ({meta['dtype']}); prompts: {meta['prompts']}; {meta['max_new_tokens']} new tokens "
         f"per row; temperature {meta['temperature']}; fastest of {meta['repeats']} interleaved runs",

@@ -25,7 +25,7 @@ from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS, DecodeConfig
 from mtp_jax.errors import UserError, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
 from mtp_jax.hub import MODEL_HELP, names_a_model
-from mtp_jax.models import causal_lm
+from mtp_jax.models import causal_lm, cpu_rows
 from mtp_jax.prompts import encode_prompts, read_prompt_records
 from mtp_jax.sharding import make_mesh
 from mtp_jax.text import batch_rows, check_budget, decode_batches, row_sampling
@@ -341,6 +341,7 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     """Decode the prompts from `done` on, batch by batch, each batch's rows to `output` (process 0) as it finishes;
     the statistics summary of the run (None when every row was already done)."""
     start = time.perf_counter()
+    cpu_rows.prepare()  # a first run builds the CPU's row kernel while the model loads
     model, tokenizer, prompts, decode_cfg, batch_size = load_for_decoding(args, records)
     load_seconds = time.perf_counter() - start
     if not prompts[done:]:

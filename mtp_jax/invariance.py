@@ -33,6 +33,7 @@ from mtp_jax.models import loops
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
 from mtp_jax.models.causal_lm import CausalLM, LayerStack
 from mtp_jax.models.fixed_tiles import invariant_products
+from mtp_jax.models.rowwise import lone_rows_exact
 from mtp_jax.prompts import encode_prompts, read_prompt_file
 
 EVAL_PROMPTS = pathlib.Path(__file__).parent / "data" / "eval_prompts.jsonl"
@@ -117,8 +118,8 @@ def compare(model: CausalLM, prompts: list[list[int]], invariant: bool) -> dict:
     order = [f"layer {i} {name}" for i in range(model.config.num_layers) for name in LAYER_STAGES]
     order += ["final_norm", "logits"]
     for row, p in enumerate(prompts):
-        alone = [row_ids[: len(p)] for row_ids in ids[row : row + 1]], lens[row : row + 1], next_ids[row : row + 1]
-        if invariant:  # as generate runs a lone row: beside its twin
+        alone = ids[row : row + 1, : len(p)], lens[row : row + 1], next_ids[row : row + 1]
+        if invariant and not lone_rows_exact():  # as generate runs a lone row: beside its twin
             alone = [np.concatenate([x, x]) for x in alone]
         alone = _prefill_and_step(model, *alone, invariant, slots)
         for pass_index, name in enumerate(("prefill", "step")):

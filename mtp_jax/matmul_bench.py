@@ -1,14 +1,18 @@
 """python -m mtp_jax.matmul_bench: one projection's time with its weight stored as bfloat16, fp8 (128x128 block
-scales) or int8 (per-channel scales), through the models' own matmul (`rowwise.project`).
+scales) or int8 (per-channel scales), by each kernel the models use for it.
 
 Decode steps are reads of weights, so a projection of a few rows should take about its stored bytes over the memory
 bandwidth: fp8 and int8 half of bfloat16's time. This measures whether a device's compiled matmul gets there, and
-checks each quantized product against the product over the weight dequantized first (the `rel err` column).
+checks each product against the product over the weight dequantized first (the `rel err` column). Kernels: "xla",
+XLA's own product (a quantized weight's values in the dot, the scales on its float32 partial products:
+`quant.quantized_einsum`); "tiles", the fixed-tile kernel (models/fixed_tiles.py: Triton on a GPU, where decoding
+reads quantized weights with it; Pallas' interpreter elsewhere, slow).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -19,10 +23,11 @@ import numpy as np
 from mtp_jax import quant
 from mtp_jax.decode import positive_int
 from mtp_jax.errors import OneLineParser, UserError, run_cli
-from mtp_jax.models.rowwise import project
+from mtp_jax.models import fixed_tiles
 from mtp_jax.stats import describe_device
 
 FORMS = ("bfloat16", "fp8", "int8")
+KERNELS = ("xla", "tiles")
 EQUATION = "...D,DF->...F"
 
 
@@ -61,36 +66,47 @@ def seconds_per_call(fn, *args, calls: int, trials: int = 5) -> float:
     return float(np.median(times))
 
 
-def relative_error(weight, x: jax.Array) -> float:
-    """|project(x, weight) - x @ dequantized weight| / |x @ dequantized weight|, in float32."""
+def relative_error(matmul, weight, x: jax.Array) -> float:
+    """|matmul(x, weight) - x @ dequantized weight| / |x @ dequantized weight|, in float32."""
     dense = quant.dense(weight).astype(jnp.float32)  # [K, N]
     reference = jnp.einsum(EQUATION, x.astype(jnp.float32), dense, precision="highest")
-    got = project(EQUATION, x, weight, out_dtype=jnp.float32)
+    got = matmul(x, weight).astype(jnp.float32)
     return float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference))
 
 
-def measure(shapes, rows, forms, calls: int) -> list[dict]:
-    """One row per (weight shape, number of rows, storage)."""
-    matmul = jax.jit(lambda x, w: project(EQUATION, x, w))
+def product(x: jax.Array, weight, kernel: str) -> jax.Array:
+    """x [M, K] times the weight [K, N] by `kernel` -> [M, N] in x's dtype (float32 sums)."""
+    if kernel == "tiles":
+        return fixed_tiles.einsum(EQUATION, x, weight).astype(x.dtype)
+    if isinstance(weight, quant.QuantizedArray):
+        return quant.quantized_einsum(EQUATION, x, weight).astype(x.dtype)
+    return jnp.einsum(EQUATION, x, weight, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def measure(shapes, rows, forms, calls: int, kernels=("xla",)) -> list[dict]:
+    """One row per (weight shape, number of rows, storage, kernel)."""
+    matmuls = {kernel: jax.jit(lambda x, w, kernel=kernel: product(x, w, kernel)) for kernel in kernels}
     results = []
     for k, n in shapes:
         weight = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02  # [K, N]
         by_form = {form: stored(weight, form) for form in forms}
         for m in rows:
             x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)  # [M, K]
-            for form, w in by_form.items():
+            for (form, w), (kernel, matmul) in itertools.product(by_form.items(), matmuls.items()):
                 seconds = seconds_per_call(matmul, x, w, calls=calls)
-                results.append({"rows": m, "inputs": k, "outputs": n, "form": form, "seconds": seconds,
-                                "stored_bytes": stored_bytes(w), "relative_error": relative_error(w, x)})  # fmt: skip
+                results.append({"rows": m, "inputs": k, "outputs": n, "form": form, "kernel": kernel,
+                                "seconds": seconds, "stored_bytes": stored_bytes(w),
+                                "relative_error": relative_error(matmul, w, x)})  # fmt: skip
     return results
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| rows | weight K x N | form | us | GB/s of stored weight | rel err |", "|---|---|---|---|---|---|"]
+    lines = ["| rows | weight K x N | form | kernel | us | GB/s of stored weight | rel err |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         rate = r["stored_bytes"] / r["seconds"] / 1e9
-        lines.append(f"| {r['rows']} | {r['inputs']} x {r['outputs']} | {r['form']} | {r['seconds'] * 1e6:.1f} | "
-                     f"{rate:.0f} | {r['relative_error']:.1e} |")  # fmt: skip
+        lines.append(f"| {r['rows']} | {r['inputs']} x {r['outputs']} | {r['form']} | {r['kernel']} | "
+                     f"{r['seconds'] * 1e6:.1f} | {rate:.0f} | {r['relative_error']:.1e} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -100,6 +116,8 @@ def parse_args(argv=None):
                         help="weights as INPUTSxOUTPUTS (default: 4096x11008 7168x18432)")  # fmt: skip
     parser.add_argument("--rows", type=positive_int, nargs="+", default=[1, 8, 64], help="default: 1 8 64")
     parser.add_argument("--forms", choices=FORMS, nargs="+", default=list(FORMS))
+    parser.add_argument("--kernels", choices=KERNELS, nargs="+", default=None,
+                        help="default: xla and tiles on a GPU, else xla (tiles run interpreted there)")  # fmt: skip
     parser.add_argument("--calls", type=positive_int, default=50,
                         help="calls enqueued per timing, the median of 5 timings (default 50)")  # fmt: skip
     return parser.parse_args(argv)
@@ -108,7 +126,10 @@ def parse_args(argv=None):
 def run(args) -> int:
     if len(set(args.forms)) != len(args.forms):
         raise UserError("--forms names a storage twice")
-    results = measure(args.shapes, args.rows, args.forms, args.calls)
+    kernels = args.kernels or (list(KERNELS) if jax.default_backend() == "gpu" else ["xla"])
+    if len(set(kernels)) != len(kernels):
+        raise UserError("--kernels names a kernel twice")
+    results = measure(args.shapes, args.rows, args.forms, args.calls, kernels)
     print(f"device: {describe_device()}; jax {jax.__version__}; {args.calls} calls enqueued per timing, median of 5")
     print(markdown(results))
     return 0

@@ -29,6 +29,7 @@ from mtp_jax.loop_state import DecodeStats, LoopState
 from mtp_jax.models.cache_attention import two_rows
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.fixed_tiles import invariant_products
+from mtp_jax.models.rowwise import lone_rows_exact
 from mtp_jax.prefill import prefill
 from mtp_jax.rounds import Round, RoundKind, round_context, run_round
 from mtp_jax.sampling import SamplingParams
@@ -98,7 +99,7 @@ def _estimated_costs(model: CausalLM, max_draft: int) -> tuple[float, ...]:
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"))
 def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):
     model: CausalLM = nnx.merge(graphdef, params)
-    lone = cfg.invariant and prompt_ids.shape[0] == 1
+    lone = _lone(model, cfg, prompt_ids.shape[0])
     prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
     with _tracing(model, cfg):
         state = start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy)
@@ -112,6 +113,15 @@ def _tracing(model: CausalLM, cfg: DecodeConfig) -> Iterator[None]:
     `model`), and products in fixed tiles where batch-invariant numerics need them (models/fixed_tiles.py)."""
     with activate(model.sharding_rules), invariant_products(cfg.invariant):
         yield
+
+
+def _lone(model: CausalLM, cfg: DecodeConfig, batch: int) -> bool:
+    """Whether a batch of `batch` rows decodes beside a twin: a single row under batch-invariant decoding, where a
+    one-row pass would get other sums than a row in a batch (`rowwise.lone_rows_exact`)."""
+    if not (cfg.invariant and batch == 1):
+        return False
+    with activate(model.sharding_rules):
+        return not lone_rows_exact()
 
 
 def _twinned(lone: bool, prompt_ids, prompt_lens, key, sampling):
@@ -224,7 +234,7 @@ def compile_chunks(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None)
 def _chunk_arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
     """`_arguments`, with the static `lone` of the chunked programs (a lone row under batch-invariant decoding)."""
     (graphdef, params, *inputs), static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-    static = {**static, "lone": static["cfg"].invariant and inputs[0].shape[0] == 1}
+    static = {**static, "lone": _lone(model, static["cfg"], inputs[0].shape[0])}
     return (graphdef, params, *inputs), static
 
 

@@ -89,3 +89,17 @@ def test_a_llama_cpp_row_beside_ours():
     assert tokens.tolist() == [[(sum(prompt) + i) % 97 for i in range(4)]]
     assert row["generated_tokens"] == 4 and row["tokens_per_second"] > 0 and len(row["walls"]) == 2
     assert llm.prompts == [prompt] * 3  # the warm-up and two timed sweeps
+
+
+def test_a_llama_cpp_that_does_not_import_is_no_peer_and_is_noted(fake_llama_cpp, monkeypatch):
+    """llama-cpp-python installed without its dependencies (its import fails inside): the bench goes on without it."""
+
+    def broken(path, context):
+        raise ModuleNotFoundError("No module named 'diskcache'")
+
+    monkeypatch.setattr(bench, "load_llama_cpp", broken)
+    notes = []
+    args = argparse.Namespace(temperature=0.0, max_new_tokens=4)
+    prompt = types.SimpleNamespace(token_ids=[1, 2, 3])
+    assert bench.llama_cpp_peer(args, "m.gguf", [prompt], notes) is None
+    assert notes == ["llama.cpp not timed: llama_cpp does not import (No module named 'diskcache')"]

@@ -5,7 +5,8 @@ interpreter: the same tiles and masks that Triton compiles on a GPU.
   per-expert and per-head batches) agrees with an exact float32 einsum.
 - A row's bits do not depend on how many rows share the pass (on this CPU XLA's own float32-out product gives a
   lone row other bits: the comparison can fail).
-- An int8 or fp8 weight goes in dequantized (with the quantized product first, the comparison fails).
+- An int8 or fp8 weight is read as stored, its scales applied per contracting block (fp8) or per output channel
+  (int8), against an exact float32 einsum over the weight dequantized; rows' bits do not depend on the pass either.
 - Decoding with the kernels forced on (as on a GPU): greedy MTP equals plain decoding and a lone prompt equals its
   row in a batch of mixed lengths, in bfloat16; the traced program holds the kernels.
 """
@@ -74,17 +75,56 @@ def test_used_only_while_a_batch_invariant_decode_is_traced_on_a_platform_that_n
     assert not fixed_tiles.in_use()
 
 
+QUANTIZED = {  # equation: (x's shape, the weight's shape, its contracting axes, its batched axes)
+    "BTD,DF->BTF": ((3, 5, 256), (256, 192), (0,), ()),
+    "BTNH,NHD->BTD": ((3, 5, 2, 128), (2, 128, 192), (0, 1), ()),  # fp8: a block per head
+    "EMF,EFD->EMD": ((2, 6, 256), (2, 256, 128), (1,), (0,)),  # experts
+    "...D,DF->...F": ((2, 3, 384), (384, 130), (0,), ()),  # fp8: output blocks of 65 (the gcd with 128)
+}
+
+
+def _stored(form, equation, seed=4):
+    x_shape, w_shape, contracting, batched = QUANTIZED[equation]
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=x_shape), jnp.bfloat16)
+    weight = jnp.asarray(rng.normal(size=w_shape) / 16, jnp.float32)
+    return x, dataclasses.replace(quant.quantize_weight(weight, form, contracting, batched), dtype=jnp.bfloat16)
+
+
+def _kernel_operand_dtypes(jaxpr) -> list:
+    """The operand dtypes of the first pallas_call in `jaxpr` (searched through nested jaxprs)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            return [v.aval.dtype for v in eqn.invars]
+        for inner in eqn.params.values():
+            inner = getattr(inner, "jaxpr", inner)
+            if hasattr(inner, "eqns") and (found := _kernel_operand_dtypes(inner)):
+                return found
+    return []
+
+
+@pytest.mark.parametrize("equation", QUANTIZED)
 @pytest.mark.parametrize("form", ["int8", "fp8"])
-def test_a_quantized_weight_enters_the_tiles_dequantized(form, monkeypatch):
+def test_a_quantized_weight_is_read_as_stored_and_scaled_in_the_tiles(form, equation, monkeypatch):
     monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
-    rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.normal(size=(3, 5, 256)), jnp.bfloat16)
-    weight = quant.quantize_weight(jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.float32), form, (0,), ())
-    weight = dataclasses.replace(weight, dtype=jnp.bfloat16)
+    x, weight = _stored(form, equation)
     with fixed_tiles.invariant_products(True):
-        got = project("BTD,DF->BTF", x, weight, jnp.float32)
-    want = fixed_tiles.einsum("BTD,DF->BTF", x, weight.dequantize())
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got = project(equation, x, weight, jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda x, w: project(equation, x, w))(x, weight)
+    assert _kernel_operand_dtypes(jaxpr.jaxpr)[1] == weight.values.dtype  # no dequantized copy enters the kernel
+    exact = weight.values.astype(jnp.float32) * quant.expand_blocks(weight.scales, weight.shape)
+    want = jnp.einsum(equation, x.astype(jnp.float32), exact, precision="highest")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(want)))
+
+
+@pytest.mark.parametrize("form", ["int8", "fp8"])
+def test_a_rows_bits_with_a_quantized_weight_do_not_depend_on_the_pass(form):
+    x, weight = _stored(form, "BTD,DF->BTF")
+    tiles = jax.jit(lambda x: fixed_tiles.einsum("MD,DF->MF", x, weight))
+    rows = x.reshape(-1, x.shape[-1])  # [15, D]
+    full = np.asarray(tiles(rows))
+    for count in (1, 2, 7):
+        np.testing.assert_array_equal(np.asarray(tiles(rows[:count])), full[:count])
 
 
 def _generate(model, prompts, num_draft):

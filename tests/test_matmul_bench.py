@@ -8,14 +8,15 @@ import pytest
 from mtp_jax import matmul_bench
 
 
-def test_every_storage_computes_the_dequantized_product(capsys):
-    assert matmul_bench.main(["--shapes", "256x384", "--rows", "1", "4", "--calls", "2"]) == 0
+def test_every_storage_and_kernel_computes_the_dequantized_product(capsys):
+    argv = ["--shapes", "256x384", "--rows", "1", "4", "--calls", "1", "--kernels", "xla", "tiles"]
+    assert matmul_bench.main(argv) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "rows" not in line]
-    assert len(lines) == 2 * 3
-    forms = [line.split("|")[3].strip() for line in lines]
-    assert forms == ["bfloat16", "fp8", "int8"] * 2
-    errors = [float(line.split("|")[6]) for line in lines]
-    assert all(error < 1e-4 for error in errors), errors
+    assert len(lines) == 2 * 3 * 2
+    cells = [[cell.strip() for cell in line.split("|")] for line in lines]
+    assert [(c[3], c[4]) for c in cells[:6]] == [(f, k) for f in ("bfloat16", "fp8", "int8") for k in ("xla", "tiles")]
+    errors = [float(c[7]) for c in cells]
+    assert all(error < 1e-2 for error in errors), errors  # bfloat16 results
 
 
 @pytest.mark.parametrize("bad", ["100x128", "128", "axb"])

@@ -8,9 +8,10 @@ differs again between 32 and 40 rows; with bfloat16 operands and float32 results
 gave each row bit for bit the same sums, wherever the row sat (and 5-9x faster there than a bfloat16-out dot).
 
 So every projection here takes float32 results (`preferred_element_type`) and rounds once to the activations'
-dtype. A pass of a single row is left alone: batch-invariant decoding never makes one, since it decodes a lone
-prompt beside a copy of itself (`speculative.generate`), and widening every one-row product to two rows cost plain
-decoding at batch 1 a third of its speed on this CPU.
+dtype. On a CPU, a projection goes to the row kernel of models/cpu_rows.py (a decode step's few rows; every pass
+under batch-invariant decoding): one fixed order of sums per output element for 1 row or many, and the weight read
+as stored. Where that kernel is not built (no C++ compiler), batch-invariant decoding never makes a one-row pass:
+it decodes a lone prompt beside a copy of itself (`speculative.generate`, `lone_rows_exact`).
 
 Sums along a row (a norm's mean square, a softmax's total) are reductions, and XLA picks a reduction's order by
 shape too: on XLA:CPU the float32 mean square of 576 values came out differently for 1, 2, 4 and 8 rows in most of
@@ -22,12 +23,14 @@ decode is traced (`fixed_tiles.invariant_products`), every product here runs thr
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.models import fixed_tiles
-from mtp_jax.quant import QuantizedArray, dense, quantized_einsum
-from mtp_jax.sharding import active_platform
+from mtp_jax.models import cpu_rows, fixed_tiles
+from mtp_jax.quant import QuantizedArray, quantized_einsum
+from mtp_jax.sharding import active_platform, active_rules
 
 
 def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out_dtype=None) -> jax.Array:
@@ -38,13 +41,31 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
     (an axis of x and the weight that the output keeps, e.g. latent attention's per-head absorption) keeps x's
     dtype out, as plain einsum does: XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if fixed_tiles.in_use():  # a quantized weight dequantized first: the kernel takes one dtype
-        return fixed_tiles.einsum(equation, x, dense(weight)).astype(out_dtype)
+    if fixed_tiles.in_use():  # a quantized weight read as stored
+        return fixed_tiles.einsum(equation, x, weight).astype(out_dtype)
+    xla = functools.partial(_xla_project, equation, out_dtype=out_dtype)
+    if cpu_rows.takes(equation, x, weight, fixed_tiles.tracing_invariant()):  # a program lowered for a CPU only:
+        native = lambda x, w: cpu_rows.einsum(equation, x, w).astype(out_dtype)  # one traced without a mesh may
+        return jax.lax.platform_dependent(x, weight, cpu=native, default=xla)  # be compiled for another device
+    return xla(x, weight)
+
+
+def _xla_project(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
     if isinstance(weight, QuantizedArray):  # the stored values in the matmul, the scales on its partial products
         return quantized_einsum(equation, x, weight).astype(out_dtype)
     if _batched(equation) and out_dtype == x.dtype:
         return jnp.einsum(equation, x, weight)
     return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def lone_rows_exact() -> bool:
+    """Whether a pass of a single row gets the sums it gets inside a batch, under batch-invariant decoding traced
+    now: on one GPU (fixed tiles) or with the CPU kernel (models/cpu_rows.py). Elsewhere `speculative.generate`
+    decodes a lone prompt beside a copy of itself."""
+    if active_rules() is not None and active_rules().mesh.size > 1:
+        return False
+    platform = active_platform()
+    return platform in fixed_tiles.PLATFORMS or (platform == "cpu" and cpu_rows.status() == "ready")
 
 
 def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:

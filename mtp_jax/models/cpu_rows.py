@@ -1,0 +1,176 @@
+"""The CPU's products of a few rows by a weight: a C++ kernel (native/row_matmul.cc) called through `jax.ffi`.
+
+A decode step on a CPU is a read of every weight, a few activation rows at a time. XLA:CPU runs a one-row product
+with a matrix-vector kernel, two or more rows with a GEMM that packs the weight on every call (at 4 rows twice the
+matrix-vector time), and reads int8 or bfloat16 weights slower per value than float32 ones (docs/benchmarks.md,
+"CPU decode"). The kernel here streams the weight once per four rows as it is stored (float32, bfloat16, or int8
+with per-output-channel scales), widens it in registers, and adds each output element's products in one fixed order:
+a row's result is the same bits whatever else shares the pass, so batch-invariant decoding needs no twin of a lone
+row on a CPU either.
+
+It is built on first use with the C++ compiler (`$CXX`, default g++) for this machine's CPU, into
+`~/.cache/mtp_jax/native` (a name per source, compiler, JAX and CPU; `$XDG_CACHE_HOME` honoured), and registered as
+an FFI target. Without a compiler, or with `MTP_JAX_NATIVE=0`, every product stays XLA's (`status()` says why).
+
+`rowwise.project` uses it on a CPU without a mesh of several devices: for every pass under batch-invariant decoding
+(prefills too, so that a prompt's rows get the same sums alone and in a batch), and for passes of at most ROWS_MAX
+rows otherwise (decode steps and verify blocks; a long prefill keeps XLA's GEMM, faster there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.models import matmul_layout
+from mtp_jax.quant import QuantizedArray, quantized_einsum
+from mtp_jax.sharding import active_platform, active_rules
+
+SOURCE = Path(__file__).with_name("native") / "row_matmul.cc"
+TARGET = "mtp_jax_row_matmul"
+SYMBOL = "MtpJaxRowMatmul"
+ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
+DISABLE_ENV = "MTP_JAX_NATIVE"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+_LOCK = threading.Lock()
+
+
+def build_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mtp_jax" / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), version, jax.__version__, " ".join(FLAGS), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    return build_dir() / f"row_matmul-{key}.so"
+
+
+def _build(compiler: str, path: Path) -> None:
+    """Compile SOURCE into `path` (written beside it, then renamed: concurrent builders do not collide)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", scratch]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        os.unlink(scratch)
+        raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else '?'}")
+    os.replace(scratch, path)
+
+
+def status() -> str:
+    """The word "ready" once the kernel is built (or found built) and registered; otherwise why not. Built once per
+    process (a caller waits for a build under way in another thread)."""
+    with _LOCK:
+        return _status_once()
+
+
+def reset_status() -> None:
+    """Forget the status, so that the next `status()` looks again (after a change of $CXX or MTP_JAX_NATIVE)."""
+    with _LOCK:
+        _status_once.cache_clear()
+
+
+def prepare() -> None:
+    """Build or load the kernel in a background thread (a first run's build then overlaps loading the model)."""
+    if jax.default_backend() == "cpu":
+        threading.Thread(target=status, name="mtp_jax-row-kernel", daemon=True).start()
+
+
+@functools.cache
+def _status_once() -> str:
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"off ({DISABLE_ENV}=0)"
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        return f"off (no C++ compiler {compiler!r})"
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+        handler = getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"off ({e})"
+    return "ready"
+
+
+def takes(equation: str, x: jax.Array, weight, invariant: bool) -> bool:
+    """Whether x's product with `weight` under `equation` runs here: on a CPU, one device, a float32 / bfloat16 /
+    int8-per-channel weight, and (unless `invariant`) at most ROWS_MAX rows; builds the kernel on first call."""
+    if active_platform() != "cpu" or (active_rules() is not None and active_rules().mesh.size > 1):
+        return False
+    values = weight.values if isinstance(weight, QuantizedArray) else weight
+    if not any(values.dtype == d for d in WEIGHT_DTYPES) or not jnp.issubdtype(x.dtype, jnp.floating):
+        return False
+    lay = matmul_layout.layout(equation, x.shape, weight.shape)
+    if isinstance(weight, QuantizedArray):
+        scales = matmul_layout.scales(lay, weight)
+        if scales is None or scales.shape[1] != 1:  # blocks along the contracting axes: XLA's blocked product
+            return False
+    if not invariant and lay.gmkn[1] > ROWS_MAX:
+        return False
+    return status() == "ready"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum(equation: str, x: jax.Array, weight) -> jax.Array:
+    """jnp.einsum(equation, x, weight) in float32 by the kernel (call only where `takes` said yes); a quantized
+    weight is read as stored and its per-channel scales multiply the sums. Differentiable: the gradients are those
+    of XLA's product (training a head through frozen trunk projections)."""
+    lay = matmul_layout.layout(equation, x.shape, weight.shape)
+    g, m, _, n = lay.gmkn
+    if isinstance(weight, QuantizedArray):
+        scales, values = matmul_layout.scales(lay, weight), weight.values
+    else:
+        scales, values = jnp.ones((g, 1, n), jnp.float32), weight
+    rows = matmul_layout.activations(lay, x)  # [G, M, K]
+    if rows.dtype != jnp.bfloat16:  # the kernel widens bfloat16 itself: a widening here could fuse into its
+        rows = rows.astype(jnp.float32)  # producer, which may then skip its rounding to bfloat16 in one program only
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32), vmap_method="sequential")
+    values = matmul_layout.weight(lay, values)  # [G, K, N] or [G, N, K], as stored
+    product = call(rows, values, scales.astype(jnp.float32), transposed=np.int64(lay.transposed))  # [G, M, N]
+    return matmul_layout.output(lay, product)
+
+
+def xla_einsum(equation: str, x: jax.Array, weight) -> jax.Array:
+    """The same product by XLA, float32 out (its gradients are the kernel's)."""
+    if isinstance(weight, QuantizedArray):
+        return quantized_einsum(equation, x, weight)
+    return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32)
+
+
+def _einsum_forward(equation: str, x: jax.Array, weight):
+    return einsum(equation, x, weight), (x, weight)
+
+
+def _einsum_backward(equation: str, residuals, cotangent):
+    _, pullback = jax.vjp(functools.partial(xla_einsum, equation), *residuals)
+    return pullback(cotangent)
+
+
+einsum.defvjp(_einsum_forward, _einsum_backward)
