@@ -24,10 +24,14 @@ from mtp_jax.errors import UserError
 
 
 def pytest_sessionstart(session):
-    """Fetch the default model once, before any test worker starts (xdist workers would race for it)."""
+    """Fetch the default model and build the CPU row kernel once, before any test worker starts (xdist workers
+    would each do both at once)."""
     if hasattr(session.config, "workerinput"):
         return
     from mtp_jax.default_model import default_gguf_path
+    from mtp_jax.models import cpu_rows
+
+    cpu_rows.status()  # a build failure is a status the tests read, not an error here
 
     try:
         default_gguf_path()
