@@ -24,6 +24,7 @@ import mtp_jax
 from mtp_jax import quant, shapes, speculative
 from mtp_jax.models import cpu_rows
 from mtp_jax.models.rowwise import lone_rows_exact, project
+from tests.prompts import invariant_greedy
 
 pytestmark = pytest.mark.skipif(cpu_rows.status() != "ready", reason=f"CPU row kernel: {cpu_rows.status()}")
 
@@ -111,12 +112,7 @@ def test_without_a_compiler_products_stay_xlas_and_a_lone_prompt_has_a_twin(monk
 
 
 def _generate(model, prompts, num_draft):
-    width = max(len(p) for p in prompts)
-    ids = np.stack([np.pad(p, (0, width - len(p))) for p in prompts]).astype(np.int32)
-    lens = np.asarray([len(p) for p in prompts], np.int32)
-    cfg = mtp_jax.DecodeConfig(num_draft=num_draft, max_new_tokens=12, invariant=True)
-    out = mtp_jax.generate(model, jnp.asarray(ids), jnp.asarray(lens), jax.random.key(0), cfg)
-    return [np.asarray(out.tokens[row, : int(out.lengths[row])]) for row in range(len(prompts))]
+    return invariant_greedy(model, prompts, num_draft, max_new_tokens=12)
 
 
 def test_invariant_decoding_with_it_is_lossless_and_a_lone_prompt_needs_no_twin():

@@ -25,6 +25,7 @@ import mtp_jax
 from mtp_jax import quant, shapes
 from mtp_jax.models import fixed_tiles
 from mtp_jax.models.rowwise import project
+from tests.prompts import invariant_greedy
 
 EQUATIONS = {  # equation: (a's shape, b's shape)
     "BTD,DNH->BTNH": ((3, 5, 150), (150, 2, 40)),  # a projection to heads
@@ -128,12 +129,7 @@ def test_a_rows_bits_with_a_quantized_weight_do_not_depend_on_the_pass(form):
 
 
 def _generate(model, prompts, num_draft):
-    width = max(len(p) for p in prompts)
-    ids = np.stack([np.pad(p, (0, width - len(p))) for p in prompts]).astype(np.int32)
-    lens = np.asarray([len(p) for p in prompts], np.int32)
-    cfg = mtp_jax.DecodeConfig(num_draft=num_draft, max_new_tokens=10, invariant=True)
-    out = mtp_jax.generate(model, jnp.asarray(ids), jnp.asarray(lens), jax.random.key(0), cfg)
-    return [np.asarray(out.tokens[row, : int(out.lengths[row])]) for row in range(len(prompts))]
+    return invariant_greedy(model, prompts, num_draft, max_new_tokens=10)
 
 
 def test_decoding_on_fixed_tiles_is_lossless_and_batch_invariant_in_bfloat16(monkeypatch):
