@@ -359,6 +359,13 @@ def active_rules() -> ShardingRules | None:
     return _ACTIVE.get()
 
 
+def one_device_active() -> bool:
+    """Whether what is traced now runs on one device (no rules, or a mesh of one): where a custom kernel, which XLA's
+    partitioner does not split, may stand in for an op."""
+    rules = active_rules()
+    return rules is None or rules.mesh.size == 1
+
+
 def active_platform() -> str:
     """The platform ("cpu", "gpu", "tpu") of the active rules' mesh, else of the default backend."""
     rules = active_rules()

@@ -36,7 +36,7 @@ import numpy as np
 
 from mtp_jax.models import matmul_layout
 from mtp_jax.quant import QuantizedArray, quantized_einsum
-from mtp_jax.sharding import active_platform, active_rules
+from mtp_jax.sharding import active_platform, one_device_active
 
 SOURCE = Path(__file__).with_name("native") / "row_matmul.cc"
 TARGET = "mtp_jax_row_matmul"
@@ -122,16 +122,14 @@ def _status_once() -> str:
 def takes(equation: str, x: jax.Array, weight, invariant: bool) -> bool:
     """Whether x's product with `weight` under `equation` runs here: on a CPU, one device, a float32 / bfloat16 /
     int8-per-channel weight, and (unless `invariant`) at most ROWS_MAX rows; builds the kernel on first call."""
-    if active_platform() != "cpu" or (active_rules() is not None and active_rules().mesh.size > 1):
+    if active_platform() != "cpu" or not one_device_active():
         return False
     values = weight.values if isinstance(weight, QuantizedArray) else weight
     if not any(values.dtype == d for d in WEIGHT_DTYPES) or not jnp.issubdtype(x.dtype, jnp.floating):
         return False
     lay = matmul_layout.layout(equation, x.shape, weight.shape)
-    if isinstance(weight, QuantizedArray):
-        scales = matmul_layout.scales(lay, weight)
-        if scales is None or scales.shape[1] != 1:  # blocks along the contracting axes: XLA's blocked product
-            return False
+    if isinstance(weight, QuantizedArray) and matmul_layout.contracting_blocks(lay, weight) != 1:
+        return False  # blocks along the contracting axes (fp8): XLA's blocked product
     if not invariant and lay.gmkn[1] > ROWS_MAX:
         return False
     return status() == "ready"

@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from mtp_jax.models import matmul_layout
 from mtp_jax.quant import QuantizedArray
-from mtp_jax.sharding import active_platform, active_rules
+from mtp_jax.sharding import active_platform, one_device_active
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ _INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("mtp_jax_invar
 def invariant_products(on: bool) -> Iterator[None]:
     """While tracing inside this block, a batch-invariant decode is traced when `on` (`tracing_invariant()`), and the
     products of `rowwise` use fixed tiles on a platform of PLATFORMS, with no mesh of several devices active."""
-    tiles = _IN_USE.set(on and active_platform() in PLATFORMS and _one_device())
+    tiles = _IN_USE.set(on and active_platform() in PLATFORMS and one_device_active())
     invariant = _INVARIANT.set(on)
     try:
         yield
@@ -84,11 +84,6 @@ def tracing_invariant() -> bool:
     return _INVARIANT.get()
 
 
-def _one_device() -> bool:
-    rules = active_rules()
-    return rules is None or rules.mesh.size == 1
-
-
 def einsum(equation: str, a: jax.Array, b: jax.Array | QuantizedArray) -> jax.Array:
     """jnp.einsum(equation, a, b) in float32, each output element summed in a fixed order (module docstring); a
     quantized b is read as stored (its scales need contracting blocks of whole `depth` steps, else it is dequantized
@@ -97,10 +92,9 @@ def einsum(equation: str, a: jax.Array, b: jax.Array | QuantizedArray) -> jax.Ar
     lay = matmul_layout.layout(equation, a.shape, b.shape)
     scales = None
     if isinstance(b, QuantizedArray):
-        scales = matmul_layout.scales(lay, b)  # [G, KB, N]
-        _, _, k, _ = lay.gmkn
-        whole_steps = scales is not None and (scales.shape[1] == 1 or (k // scales.shape[1]) % TILES.depth == 0)
-        b, scales = (b.values, scales) if whole_steps else (b.dequantize(), None)
+        kb, k = matmul_layout.contracting_blocks(lay, b), lay.gmkn[2]
+        whole_steps = kb is not None and (kb == 1 or (k // kb) % TILES.depth == 0)
+        b, scales = (b.values, matmul_layout.scales(lay, b)) if whole_steps else (b.dequantize(), None)  # [G, KB, N]
     b = matmul_layout.weight(lay, b if scales is not None else b.astype(a.dtype))
     a = matmul_layout.activations(lay, a)
     product = matmul(a, b, scales, lay.transposed, TILES, interpret=active_platform() != "gpu")  # [G, M, N]

@@ -86,15 +86,23 @@ def output(lay: Layout, product: jax.Array) -> jax.Array:
     return jnp.einsum(f"{''.join(lay.batch + lay.rows + lay.cols)}->{lay.out}", product)
 
 
-def scales(lay: Layout, w: QuantizedArray) -> jax.Array | None:
-    """w's scales as [G, KB, N] (see the module docstring); None when its contracting blocks are not contiguous runs
-    of the flattened contracting axes."""
+def contracting_blocks(lay: Layout, w: QuantizedArray) -> int | None:
+    """KB, the number of scale blocks along the flattened contracting axes (1: one scale per output column); None
+    when those blocks are not contiguous runs of the flattened axes. From shapes alone: no op is traced."""
     counts = dict(zip(lay.rhs, w.scales.shape, strict=True))
     per_element = [counts[c] == lay.size[c] for c in lay.contract] + [False]
     first = per_element.index(False)  # axes before it: a scale per element; after it: one scale along the axis
     if any(counts[c] != 1 for c in lay.contract[first + 1 :]):
         return None
-    kb = math.prod(counts[c] for c in lay.contract)
+    return math.prod(counts[c] for c in lay.contract)
+
+
+def scales(lay: Layout, w: QuantizedArray) -> jax.Array | None:
+    """w's scales as [G, KB, N] (see the module docstring); None where `contracting_blocks` is."""
+    kb = contracting_blocks(lay, w)
+    if kb is None:
+        return None
+    counts = dict(zip(lay.rhs, w.scales.shape, strict=True))
     expanded = w.scales
     for axis, letter in enumerate(lay.rhs):  # output columns and batch axes: a scale per element
         if letter not in lay.contract and counts[letter] != lay.size[letter]:

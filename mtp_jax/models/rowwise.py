@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from mtp_jax.models import cpu_rows, fixed_tiles
 from mtp_jax.quant import QuantizedArray, quantized_einsum
-from mtp_jax.sharding import active_platform, active_rules
+from mtp_jax.sharding import active_platform, one_device_active
 
 
 def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out_dtype=None) -> jax.Array:
@@ -62,7 +62,7 @@ def lone_rows_exact() -> bool:
     """Whether a pass of a single row gets the sums it gets inside a batch, under batch-invariant decoding traced
     now: on one GPU (fixed tiles) or with the CPU kernel (models/cpu_rows.py). Elsewhere `speculative.generate`
     decodes a lone prompt beside a copy of itself."""
-    if active_rules() is not None and active_rules().mesh.size > 1:
+    if not one_device_active():
         return False
     platform = active_platform()
     return platform in fixed_tiles.PLATFORMS or (platform == "cpu" and cpu_rows.status() == "ready")
