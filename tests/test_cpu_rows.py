@@ -138,3 +138,19 @@ def test_gradients_through_it_are_xlas(weight_form):
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
     if weight_form == jnp.float32:
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_damaged_library_in_the_cache_is_built_again(monkeypatch, tmp_path):
+    """A build cut short leaves only a scratch file; a library damaged afterwards (here: overwritten) is rebuilt,
+    not loaded and not left to turn the kernel off for good."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = cpu_rows._library_path("g++")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    cpu_rows.reset_status()
+    try:
+        assert cpu_rows.status() == "ready"
+        assert path.read_bytes()[:4] == b"\x7fELF"
+    finally:
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        cpu_rows.reset_status()

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -46,6 +47,7 @@ DISABLE_ENV = "MTP_JAX_NATIVE"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 _LOCK = threading.Lock()
+_REGISTERED: list[Path] = []  # the library whose handler this process registered
 
 
 def build_dir() -> Path:
@@ -72,7 +74,10 @@ def _library_path(compiler: str) -> Path:
 def _build(compiler: str, path: Path) -> None:
     """Compile SOURCE into `path` (written beside it, then renamed: concurrent builders do not collide)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    for stale in path.parent.glob("building-*.so"):  # left by a killed build (not one still running: 10 minutes)
+        if time.time() - stale.stat().st_mtime > 600:
+            stale.unlink(missing_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix="building-", suffix=".so", dir=path.parent)
     os.close(fd)
     command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", scratch]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -112,8 +117,14 @@ def _status_once() -> str:
         path = _library_path(compiler)
         if not path.exists():
             _build(compiler, path)
-        handler = getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        try:
+            handler = getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+        except (OSError, AttributeError):  # a damaged library in the cache (truncated, overwritten): built again
+            _build(compiler, path)
+            handler = getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+        if not _REGISTERED:  # once per process (a second registration of the name is refused)
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+            _REGISTERED.append(path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"off ({e})"
     return "ready"
