@@ -17,9 +17,12 @@ a prefill's grouped expert matmuls). Stacked layers stack both arrays; shardings
   128 consecutive outputs (the output axes flattened), laid on our axes by `axis_blocks`; scale = max |w| / 448 per
   block. A layer or expert axis is never blocked across.
 
-What stays unquantized: embeddings, lm_heads (the MTP layer's own too), norms, biases, routers, the DeltaNet
-convolution and decay parameters, and the MTP fusion's small gates. The MTP layer's decoder block is quantized like
-the trunk's layers (its `proj` fusion included).
+What stays unquantized: norms, biases, routers, the DeltaNet convolution and decay parameters, the MTP fusion's
+small gates, and under fp8 the embeddings and lm_heads (the checkpoints keep them in bfloat16). Under int8 the
+embeddings and lm_heads (the MTP layer's own too) are stored int8 with one scale per vocabulary entry (`HEADS`): a
+small model's tied head is as large as its layers together and is read at every step (the default model: 28M of
+its 135M weights), and llama.cpp's files keep it 8-bit too. An embedding lookup dequantizes just the rows it takes
+(`take_rows`). The MTP layer's decoder block is quantized like the trunk's layers (its `proj` fusion included).
 
     model = quant.quantize_model(model, "fp8")   # in place; greedy MTP stays equal to plain on the stored weights
 """
@@ -53,6 +56,11 @@ CONTRACTING: dict[str, tuple[int, ...]] = {
     "proj": (0,),  # the MTP layer's [2D, D] fusion
 }  # fmt: skip
 BATCHED = {"expert_gate": (0,), "expert_up": (0,), "expert_down": (0,)}  # own axes that index matrices (experts)
+# Embeddings [V, D] (a tied lm_head reads one as "...D,VD->...V") and lm_heads [D, V], quantized under int8 only:
+# their contracting axis, so that each vocabulary entry has its scale.
+HEADS: dict[tuple[str, ...], tuple[int, ...]] = {
+    ("embed",): (1,), ("lm_head",): (0,), ("mtp", "embed"): (1,), ("mtp", "head"): (0,),
+}  # fmt: skip
 
 
 @jax.tree_util.register_dataclass
@@ -226,6 +234,40 @@ def matmul_axes(path: Sequence[str], axes: Sequence[str | None]) -> tuple[tuple[
     return tuple(lead + axis for axis in own), batched
 
 
+def stored_axes(path: Sequence[str], axes: Sequence[str | None], weights: str):
+    """`matmul_axes` of the weight at `path` for storage as `weights`: under int8 the embeddings and lm_heads too
+    (`HEADS`)."""
+    names = tuple(str(p) for p in path)
+    if weights == "int8" and names in HEADS:
+        return HEADS[names], ()
+    return matmul_axes(names, axes)
+
+
+def take_rows(weight: jax.Array | QuantizedArray, ids: jax.Array) -> jax.Array:
+    """jnp.take(weight, ids, axis=0) in the weight's dtype; a quantized one ([V, D] with a scale per row)
+    dequantizes only the rows taken."""
+    if not isinstance(weight, QuantizedArray):
+        return jnp.take(weight, ids, axis=0)
+    values = jnp.take(weight.values, ids, axis=0).astype(jnp.float32)
+    return (values * jnp.take(weight.scales, ids, axis=0)).astype(weight.dtype)
+
+
+def take_columns(weight: jax.Array | QuantizedArray, ids: jax.Array):
+    """jnp.take(weight, ids, axis=1).T of a [D, V] weight ([Vd, D]); a quantized one stays quantized, its scales
+    (one per column) taken with its columns."""
+    if not isinstance(weight, QuantizedArray):
+        return jnp.take(weight, ids, axis=1).T
+    taken = [jnp.take(a, ids, axis=1).T for a in (weight.values, weight.scales)]
+    return QuantizedArray(*taken, weight.dtype)
+
+
+def take_quantized_rows(weight: jax.Array | QuantizedArray, ids: jax.Array):
+    """jnp.take(weight, ids, axis=0) of a [V, D] weight; a quantized one stays quantized (its rows' scales)."""
+    if not isinstance(weight, QuantizedArray):
+        return jnp.take(weight, ids, axis=0)
+    return QuantizedArray(jnp.take(weight.values, ids, axis=0), jnp.take(weight.scales, ids, axis=0), weight.dtype)
+
+
 def quantize_weight(weight: jax.Array, weights: str, contracting, batched) -> QuantizedArray:
     """`weight` stored as `weights` ("int8" or "fp8") for a matmul over `contracting` axes, `batched` unblocked."""
     return quantize_int8(weight, contracting) if weights == "int8" else quantize_fp8(weight, contracting, batched)
@@ -249,7 +291,7 @@ def quantize_model(model, weights: str):
             continue
         names = [str(p) for p in path]
         layout = param_axes(param, "/".join(names))
-        axes = matmul_axes(names, layout)
+        axes = stored_axes(names, layout, weights)
         if axes is None:
             continue
         quantized = quantize_weight(param.get_value(), weights, *axes)

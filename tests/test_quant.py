@@ -1,7 +1,8 @@
-"""int8 weight-only storage (mtp_jax.quant): one byte a weight plus a float32 scale per output channel, dequantized
-inside the jitted step. Its logits stay close to the unquantized model's (the error is printed); greedy MTP decoding
-equals plain greedy decoding of the int8 model, for a GQA trunk, latent attention with routed experts and a hybrid
-trunk; the plan's parameter bytes per chip are those of int8 values and float32 scales."""
+"""int8 weight-only storage (mtp_jax.quant): one byte a weight plus a float32 scale per output channel (embeddings and
+lm_heads: per vocabulary entry), dequantized inside the jitted step. Its logits stay close to the unquantized model's
+(the error is printed); greedy MTP decoding equals plain greedy decoding of the int8 model, for a GQA trunk, latent
+attention with routed experts and a hybrid trunk; the plan's parameter bytes per chip are those of int8 values and
+float32 scales."""
 
 from __future__ import annotations
 
@@ -26,17 +27,28 @@ QUANTIZED = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1,
              "q_a_proj": 1, "q_b_proj": 1, "kv_a_proj": 1, "kv_b_proj": 1, "in_proj_qkv": 1, "in_proj_z": 1,
              "in_proj_a": 1, "in_proj_b": 1, "out_proj": 2}  # fmt: skip
 EXPERTS = ("expert_gate", "expert_up", "expert_down")  # [E, in, out]: the middle axis contracts
+# int8 only: embeddings [V, D] and lm_heads [D, V], one scale per vocabulary entry (the axis that is not it).
+HEADS = {("embed",): 1, ("lm_head",): 0, ("mtp", "embed"): 1, ("mtp", "head"): 0}
 
 
-def contracted_size(names: list[str], shape: tuple[int, ...]) -> int | None:
-    """How many weights each output channel's scale covers (None: not quantized). Layer stacks lead with one
-    stacked axis."""
+def contracted_axes(names: list[str], weights: str = "int8") -> tuple[int, ...] | None:
+    """The axes each output channel's scale covers (None: not quantized). Layer stacks lead with one stacked axis."""
     in_block = names[0] == "segments" or names[:2] == ["mtp", "block"]
     if in_block and names[-1] in QUANTIZED:
-        return math.prod(shape[1 : 1 + QUANTIZED[names[-1]]])
+        return tuple(range(1, 1 + QUANTIZED[names[-1]]))
     if in_block and names[-1] in EXPERTS:
-        return shape[2]
-    return shape[0] if names == ["mtp", "proj"] else None
+        return (2,)
+    if names == ["mtp", "proj"]:
+        return (0,)
+    if weights == "int8" and tuple(names) in HEADS:
+        return (HEADS[tuple(names)],)
+    return None
+
+
+def contracted_size(names: list[str], shape: tuple[int, ...], weights: str = "int8") -> int | None:
+    """How many weights each output channel's scale covers (None: not quantized)."""
+    axes = contracted_axes(names, weights)
+    return None if axes is None else math.prod(shape[a] for a in axes)
 
 
 def expected_bytes(model) -> int:
@@ -71,9 +83,11 @@ def test_int8_model_bytes_logits_and_lossless_mtp(name):
     assert quant.weight_bytes(model) == expected_bytes(reference)
     assert quant.weight_bytes(model) < 0.6 * quant.weight_bytes(reference)  # float32 reference: under a third + tables
     prompts = prompts_for(reference)
-    error = logits_errors(reference, model, prompts).max()
-    print(f"{name}: int8 logits, largest error / std of the float32 logits = {error:.4f}")
-    assert 0 < error < 0.05
+    errors = logits_errors(reference, model, prompts)
+    print(f"{name}: int8 logits, error / std of the float32 logits: mean {errors.mean():.4f}, max {errors.max():.4f}")
+    # measured: mean 0.007-0.013, max 0.03-0.23 (0.003-0.006 and 0.013-0.031 with float32 heads: a routing or
+    # recurrence amplifies the embedding's error at a few positions)
+    assert 0 < errors.mean() < 0.02 and errors.max() < 0.3
 
     if name == "gqa":  # the same quantized-weight path as the other two; its decode is left to them
         return
@@ -98,8 +112,7 @@ def test_plan_counts_int8_values_and_scales_per_chip():
         if contracted_size(names, leaf.shape) is None:
             expected += math.prod(shard) * 2
             continue
-        lead = 0 if names == ["mtp", "proj"] else 1  # the stacked layer axis
-        contracted = range(lead, lead + QUANTIZED.get(names[-1], 1))
+        contracted = contracted_axes(names)
         expected += math.prod(shard) + 4 * math.prod(1 if i in contracted else n for i, n in enumerate(shard))
     assert planning.shard_bytes(nnx.split(int8)[1]) == expected
     assert planning.shard_bytes(nnx.split(int8)[1]) < 0.75 * planning.shard_bytes(nnx.split(bf16)[1])
@@ -152,7 +165,7 @@ def test_fp8_model_logits_and_lossless_mtp(name):
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param):
             stored = param.get_value()
-            quantized = contracted_size([str(p) for p in path], stored.shape) is not None
+            quantized = contracted_size([str(p) for p in path], stored.shape, "fp8") is not None
             assert isinstance(stored, quant.QuantizedArray) == quantized, path
             assert not quantized or stored.values.dtype == jnp.float8_e4m3fn
     prompts = prompts_for(reference)
@@ -179,7 +192,7 @@ def test_plan_counts_fp8_values_and_block_scales_per_chip():
     expected = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.split(bf16)[1]))[0]:
         shard = math.prod(leaf.sharding.shard_shape(leaf.shape))
-        quantized = contracted_size(sharding.path_names(path), leaf.shape) is not None
+        quantized = contracted_size(sharding.path_names(path), leaf.shape, "fp8") is not None
         scales = leaf.size // (128 * 128) if "mlp" in sharding.path_names(path) else shard // (128 * 128)
         expected += shard + 4 * scales if quantized else 2 * shard
     assert planning.shard_bytes(nnx.split(fp8)[1]) == expected

@@ -24,7 +24,7 @@ from mtp_jax.models.cache_attention import LayerSlots
 from mtp_jax.models.hybrid_stack import GroupStack
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.rowwise import project
-from mtp_jax.quant import is_quantized
+from mtp_jax.quant import is_quantized, take_columns, take_quantized_rows, take_rows
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain, param_layouts
 
 
@@ -164,7 +164,7 @@ class CausalLM(nnx.Module):
         return rope_tables(positions, rope_inverse_frequencies(cfg.rope, cfg.rotary_dim), cfg.rope.attention_factor)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, D]
-        return constrain(jnp.take(self.embed[...], tokens, axis=0), HIDDEN)
+        return constrain(take_rows(self.embed.get_value(), tokens), HIDDEN)
 
     def trunk(
         self,
@@ -201,14 +201,14 @@ class CausalLM(nnx.Module):
         )
 
     def head_weights(self) -> jax.Array:  # [D, V]
-        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]  # a quantized one dequantized
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., D] -> float32 logits [..., V]."""
         if self.lm_head is None:  # tied: the embedding [V, D] as stored
-            logits = project("...D,VD->...V", hidden, self.embed[...], jnp.float32)
+            logits = project("...D,VD->...V", hidden, self.embed.get_value(), jnp.float32)
         else:
-            logits = project("...D,DV->...V", hidden, self.lm_head[...], jnp.float32)
+            logits = project("...D,DV->...V", hidden, self.lm_head.get_value(), jnp.float32)
         return constrain(logits, LOGITS)
 
     def draft_head(self) -> jax.Array | None:
@@ -218,10 +218,10 @@ class CausalLM(nnx.Module):
             return None
         ids = self.draft_vocab[...]
         if self.mtp.head is not None:
-            return jnp.take(self.mtp.head[...], ids, axis=1).T
+            return take_columns(self.mtp.head.get_value(), ids)
         if self.lm_head is None:
-            return jnp.take(self.embed[...], ids, axis=0)  # tied: the embedding's rows
-        return jnp.take(self.lm_head[...], ids, axis=1).T
+            return take_quantized_rows(self.embed.get_value(), ids)  # tied: the embedding's rows
+        return take_columns(self.lm_head.get_value(), ids)
 
     def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Float32 MTP logits [..., Vd] over the draft vocabulary (all V ids when it has no subset). `head`: the
@@ -230,7 +230,7 @@ class CausalLM(nnx.Module):
         if head is not None:
             return project("...D,VD->...V", hidden, head, jnp.float32)
         if self.mtp is not None and self.mtp.head is not None:
-            return project("...D,DV->...V", hidden, self.mtp.head[...], jnp.float32)
+            return project("...D,DV->...V", hidden, self.mtp.head.get_value(), jnp.float32)
         return self.logits(hidden)
 
     def draft_ids(self, draft_index: jax.Array) -> jax.Array:
@@ -252,7 +252,7 @@ class CausalLM(nnx.Module):
             if self.mtp.embed is None:
                 embeds = self.embed_tokens(next_tokens)
             else:
-                embeds = constrain(jnp.take(self.mtp.embed[...], next_tokens, axis=0), HIDDEN)
+                embeds = constrain(take_rows(self.mtp.embed.get_value(), next_tokens), HIDDEN)
             raw, normed, cache = self.mtp(hidden, embeds, positions, self.rope(positions), cache, visible_from)
             return (normed if self.config.mtp.recurse_normed else raw), normed, cache
 

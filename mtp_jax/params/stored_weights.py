@@ -17,20 +17,20 @@ import numpy as np
 
 from mtp_jax.params.source import read_json_object
 from mtp_jax.params.tree import ParamPath
-from mtp_jax.quant import QuantizedArray, matmul_axes, quantize_weight
+from mtp_jax.quant import QuantizedArray, quantize_weight, stored_axes
 
 QUANTIZED_FILE = "quantized.json"  # {"/"-joined path: {"values_dtype": ..., "scales_shape": [...]}}
 
 
 def stored_param(path: ParamPath, reader, weights: str, layout, dtype, on_tensor=None):
     """The parameter at `path` as `weights` stores it: a checkpoint's fp8 weight kept as its values and scales
-    ("auto", "fp8"); any other matmul weight quantized ("int8", "fp8"); everything else in the model dtype. NumPy
-    arrays either way."""
+    ("auto", "fp8"); any other matmul weight quantized ("int8", "fp8"; under int8 the embeddings and lm_heads too);
+    everything else in the model dtype. NumPy arrays either way."""
     if weights in ("auto", "fp8") and reader.fp8_blocks is not None:
         parts = (reader.read(on_tensor, part="values"), reader.read(on_tensor, part="scales"))
         return QuantizedArray(*parts, jnp.dtype(dtype))
     dense = reader.read(on_tensor)
-    axes = matmul_axes(path, layout)
+    axes = stored_axes(path, layout, weights)
     if weights not in ("int8", "fp8") or axes is None:
         return dense
     quantized = quantize_weight(jnp.asarray(dense), weights, *axes)
