@@ -57,7 +57,7 @@ def test_reference_stops_at_eos_mid_batch(layout):
         assert not (out.tokens[row, out.lengths[row] :]).any()
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("kind", ["random", "predictable"])
 def test_mtp_greedy_equals_plain_greedy(layout, kind, k):
     """Batch 4 of mixed prompt lengths, then each prompt alone at batch 1."""

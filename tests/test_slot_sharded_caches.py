@@ -20,7 +20,7 @@ def report(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", list(SLOT_MESHES))
 def test_long_caches_split_over_slots_decode_like_one_device(report, name, k):
     """Long prompts where `model` cannot split the attention caches' heads (2 kv heads on model=4; DeepSeek-V3's
-    latents): GQA, a hybrid and latent attention, plain and with drafts, give one device's greedy tokens; no
+    latents): GQA, a hybrid and latent attention, with three drafts a round, give one device's greedy tokens; no
     all-gather brings a cache's slots together."""
     entry = report["slots"][name]
     run, reference = entry["runs"][str(k)], entry["reference"][str(k)]

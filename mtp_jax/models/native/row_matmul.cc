@@ -32,7 +32,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;           // floats per vector
-constexpr int kBlock = 512;          // columns per block (their sums stay in L1)
+constexpr int kSums = 8192;          // sums of one block (rows x columns) kept in L1
+template <int R>
+constexpr int kBlock = kSums / R / 16 * 16;  // columns per block
 constexpr int kRowsPerPass = 8;      // rows sharing a weight tile
 constexpr int kTransposedColumns = 4;  // weight rows per pass when transposed (2 above 4 rows)
 
@@ -105,7 +107,7 @@ void column_block(const X* x, int64_t K, const W* w, int64_t N, int64_t n0, int 
                   float* out) {
   const int vectors = (width + kLanes - 1) / kLanes;
   const int tail = width - (vectors - 1) * kLanes;  // values in the last vector
-  alignas(64) Vec acc[R][kBlock / kLanes] = {};
+  alignas(64) Vec acc[R][kBlock<R> / kLanes] = {};
   auto weights = [&](int64_t k, int j) {
     const W* p = w + k * N + n0 + j * kLanes;
     return j + 1 < vectors || tail == kLanes ? load(p) : load_partial(p, tail);
@@ -174,8 +176,8 @@ template <int R, typename X, typename W>
 void rows_by_block(const X* x, int64_t K, const W* w, int64_t N, bool transposed, int64_t n0, int64_t n1,
                    const float* scales, float* out) {
   if (!transposed) {
-    for (int64_t n = n0; n < n1; n += kBlock)
-      column_block<R>(x, K, w, N, n, static_cast<int>(std::min<int64_t>(kBlock, N - n)), scales, out);
+    for (int64_t n = n0; n < n1; n += kBlock<R>)
+      column_block<R>(x, K, w, N, n, static_cast<int>(std::min<int64_t>(kBlock<R>, n1 - n)), scales, out);
     return;
   }
   constexpr int C = R > 4 ? kTransposedColumns / 2 : kTransposedColumns;  // R * C sums in registers
