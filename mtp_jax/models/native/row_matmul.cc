@@ -36,7 +36,8 @@ constexpr int kSums = 8192;          // sums of one block (rows x columns) kept 
 template <int R>
 constexpr int kBlock = kSums / R / 16 * 16;  // columns per block
 constexpr int kRowsPerPass = 8;      // rows sharing a weight tile
-constexpr int kTransposedColumns = 4;  // weight rows per pass when transposed (2 above 4 rows)
+constexpr int kPrefetchRows = 8;    // weight rows read ahead of the sums (the rows of a block lie N apart)
+constexpr int kTransposedColumns = 8;  // weight rows per pass when transposed, up to 2 rows (fewer above)
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -48,6 +49,18 @@ inline float to_float(uint16_t bf16) {
   return f;
 }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+// a * b + c with one rounding, spelled out: left to -ffp-contract, one instantiation of a loop was contracted
+// differently from another, and a row's bits then depended on how many rows shared its pass.
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
 
 template <typename W>
 inline Vec load(const W* p) {  // 16 consecutive values as float32 (exact for each type)
@@ -112,17 +125,21 @@ void column_block(const X* x, int64_t K, const W* w, int64_t N, int64_t n0, int 
     const W* p = w + k * N + n0 + j * kLanes;
     return j + 1 < vectors || tail == kLanes ? load(p) : load_partial(p, tail);
   };
+  constexpr int kVectorsPerLine = sizeof(W) * kLanes >= 64 ? 1 : 64 / (sizeof(W) * kLanes);
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
+    const bool fetch = k + kPrefetchRows + 4 <= K;
     for (int j = 0; j < vectors; ++j) {
+      if (fetch && j % kVectorsPerLine == 0)  // the rows kPrefetchRows ahead: runs of `width` values, N apart
+        for (int i = 0; i < 4; ++i) __builtin_prefetch(w + (k + kPrefetchRows + i) * N + n0 + j * kLanes);
       Vec w0 = weights(k, j), w1 = weights(k + 1, j), w2 = weights(k + 2, j), w3 = weights(k + 3, j);
       for (int r = 0; r < R; ++r) {
         const X* xr = x + r * K + k;
         Vec a = acc[r][j];
-        a = (Vec{} + to_float(xr[0])) * w0 + a;
-        a = (Vec{} + to_float(xr[1])) * w1 + a;
-        a = (Vec{} + to_float(xr[2])) * w2 + a;
-        a = (Vec{} + to_float(xr[3])) * w3 + a;
+        a = fma(Vec{} + to_float(xr[0]), w0, a);
+        a = fma(Vec{} + to_float(xr[1]), w1, a);
+        a = fma(Vec{} + to_float(xr[2]), w2, a);
+        a = fma(Vec{} + to_float(xr[3]), w3, a);
         acc[r][j] = a;
       }
     }
@@ -130,7 +147,7 @@ void column_block(const X* x, int64_t K, const W* w, int64_t N, int64_t n0, int 
   for (; k < K; ++k)
     for (int j = 0; j < vectors; ++j) {
       Vec wk = weights(k, j);
-      for (int r = 0; r < R; ++r) acc[r][j] = (Vec{} + to_float(x[r * K + k])) * wk + acc[r][j];
+      for (int r = 0; r < R; ++r) acc[r][j] = fma(Vec{} + to_float(x[r * K + k]), wk, acc[r][j]);
     }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / kLanes][c % kLanes] * scales[n0 + c];
@@ -156,7 +173,7 @@ void row_block(const X* x, int64_t K, const W* w, int64_t N, int64_t n0, const f
     for (int c = 0; c < C; ++c) wv[c] = load(w + (n0 + c) * K + k);
     for (int r = 0; r < R; ++r) {
       Vec xv = load(x + r * K + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = xv * wv[c] + acc[r][c];
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
     }
   }
   if (k < K) {
@@ -165,7 +182,7 @@ void row_block(const X* x, int64_t K, const W* w, int64_t N, int64_t n0, const f
     for (int c = 0; c < C; ++c) wv[c] = load_partial(w + (n0 + c) * K + k, count);
     for (int r = 0; r < R; ++r) {
       Vec xv = load_partial(x + r * K + k, count);
-      for (int c = 0; c < C; ++c) acc[r][c] = xv * wv[c] + acc[r][c];
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -180,7 +197,8 @@ void rows_by_block(const X* x, int64_t K, const W* w, int64_t N, bool transposed
       column_block<R>(x, K, w, N, n, static_cast<int>(std::min<int64_t>(kBlock<R>, n1 - n)), scales, out);
     return;
   }
-  constexpr int C = R > 4 ? kTransposedColumns / 2 : kTransposedColumns;  // R * C sums in registers
+  // R * C sums and C weight vectors in registers
+  constexpr int C = R <= 2 ? kTransposedColumns : R <= 4 ? kTransposedColumns / 2 : kTransposedColumns / 4;
   int64_t n = n0;
   for (; n + C <= n1; n += C) row_block<R, C>(x, K, w, N, n, scales, out);
   for (; n < n1; ++n) row_block<R, 1>(x, K, w, N, n, scales, out);
