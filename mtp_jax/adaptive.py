@@ -137,13 +137,13 @@ def step_param_bytes(model) -> tuple[int, int]:
     """Parameter bytes a plain step reads (trunk layers, final norm, output head) and a draft step reads (the MTP
     layer and the rows of the draft vocabulary of its head). Embedding tables count only as the tied head."""
     size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    head = size(model.head_weights())
+    head = size((model.embed if model.lm_head is None else model.lm_head).get_value())  # as stored (int8: 1 byte)
     trunk = sum(size(nnx.state(segment)) for segment in model.segments) + size(nnx.state(model.final_norm)) + head
     if model.mtp is None:
         return trunk, 0
     mtp = nnx.state(model.mtp)
-    draft_head = size(model.mtp.head[...]) if model.mtp.head is not None else head
+    draft_head = size(model.mtp.head.get_value()) if model.mtp.head is not None else head
     if model.draft_vocab is not None:
         draft_head = draft_head * model.draft_vocab[...].shape[0] // model.config.vocab_size
-    own = sum(size(p[...]) for p in (model.mtp.head, model.mtp.embed) if p is not None)  # counted apart above
+    own = sum(size(p.get_value()) for p in (model.mtp.head, model.mtp.embed) if p is not None)  # counted apart above
     return trunk, size(mtp) - own + draft_head

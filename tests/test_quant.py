@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from test_layer_layout import MODELS, PROMPT_LENS, decode, prompts_for
 
-from mtp_jax import planning, quant, shapes, sharding, topology
+from mtp_jax import adaptive, planning, quant, shapes, sharding, topology
 
 # The weights int8 storage quantizes, by name (written out here, apart from quant.CONTRACTING), with the axes of
 # their own shape that the matmul contracts.
@@ -95,6 +95,21 @@ def test_int8_model_bytes_logits_and_lossless_mtp(name):
     np.testing.assert_array_equal(drafted.tokens, plain.tokens)
     np.testing.assert_array_equal(drafted.lengths, plain.lengths)
     assert drafted.stats.accepted_at[0] > 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_step_bytes_count_int8_weights_as_stored(name):
+    """The parameter bytes a plain step reads (`adaptive.step_param_bytes`, the adaptive policy's round costs):
+    the layers, the final norm and the head (a tied embedding), int8 ones at a byte a value plus their scales."""
+    reference = MODELS[name]()
+    expected = 0
+    for path, param in nnx.iter_graph(reference):
+        names = [str(p) for p in path] or [""]
+        read = names[0] in ("segments", "final_norm", "lm_head") or (names == ["embed"] and reference.lm_head is None)
+        if isinstance(param, nnx.Param) and read:
+            value, contracted = param.get_value(), contracted_size(names, param.get_value().shape)
+            expected += value.nbytes if contracted is None else value.size + 4 * value.size // contracted
+    assert adaptive.step_param_bytes(quant.quantize_model(MODELS[name](), "int8"))[0] == expected
 
 
 def test_plan_counts_int8_values_and_scales_per_chip():
