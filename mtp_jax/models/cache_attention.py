@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp_jax.models import loops
-from mtp_jax.models.rowwise import product, row_sum
+from mtp_jax.models.rowwise import attention_rows_exact, product, row_product, row_sum
 from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
@@ -166,7 +166,9 @@ def grouped_attention(
         q_rows = jnp.tile(q, (shards, 1, 1, 1, 1))  # [M * B, T, K, G, H]: each row's queries beside each shard
         run_starts = whole_chunk_runs(slots, shards) if invariant else None
         entries = (k.astype(past_k.dtype), v.astype(past_v.dtype))  # as the cache will hold them
-        widen = two_rows if invariant and q_rows.shape[0] == 1 else lambda x: x
+        exact_rows = invariant and attention_rows_exact(q.dtype)  # no twin for a lone row (rowwise.row_product)
+        widen = two_rows if invariant and not exact_rows and q_rows.shape[0] == 1 else lambda x: x
+        multiply = row_product if exact_rows else product
 
         def attend_chunk(first):
             keys = read_chunks(past_k, first, ATTENTION_CHUNK, shards)  # [M * B, C, K, H]
@@ -176,8 +178,8 @@ def grouped_attention(
                 keys = widen(with_block(keys, entries[0], positions, starts))
                 values = widen(with_block(values, entries[1], positions, starts))
             keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-            scores = product("BTKGH,BCKH->BKGTC", widen(q_rows), keys)
-            return scores, lambda probs: product("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values)
+            scores = multiply("BTKGH,BCKH->BKGTC", widen(q_rows), keys)
+            return scores, lambda probs: multiply("BKGTC,BCKH->BTKGH", probs.astype(q.dtype), values)
 
         if invariant:
             rows = widen(positions), None if visible_from is None else widen(visible_from)

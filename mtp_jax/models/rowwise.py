@@ -68,6 +68,22 @@ def lone_rows_exact() -> bool:
     return platform in fixed_tiles.PLATFORMS or (platform == "cpu" and cpu_rows.status() == "ready")
 
 
+def attention_rows_exact(dtype) -> bool:
+    """Whether batch-invariant attention traced now can give each row its sums alone (`row_product`): on a CPU with
+    the row kernel, one device, operands (the cache read in the queries' dtype) of float32 or bfloat16. Elsewhere
+    a lone row attends beside a copy of itself (`cache_attention.two_rows`): XLA:CPU drops a batch axis of one."""
+    if fixed_tiles.in_use() or not any(jnp.dtype(dtype) == d for d in (jnp.float32, jnp.bfloat16)):
+        return False
+    return one_device_active() and active_platform() == "cpu" and cpu_rows.status() == "ready"
+
+
+def row_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`product` by the CPU row kernel (call where `attention_rows_exact` said yes): each output element one fixed
+    chain of sums whatever the pass's batch, rows or tokens; a program compiled for another device keeps `product`."""
+    native = functools.partial(cpu_rows.einsum, equation)
+    return jax.lax.platform_dependent(a, b, cpu=native, default=functools.partial(product, equation))
+
+
 def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """jnp.einsum(equation, a, b) with float32 results. On XLA:CPU from float32 operands: its batched matmul has
     no bfloat16 x bfloat16 -> float32 kernel in some layouts (latent attention's probabilities times latents failed
