@@ -204,9 +204,10 @@ def grouped_attention(
 
 
 def two_rows(x: jax.Array) -> jax.Array:
-    """x [1, ...] as [2, ...] (the row twice). The batch-invariant form attends a lone row beside a copy of itself:
-    XLA:CPU drops a batch axis of size 1 and then emits the attention products with other sums (measured: one row
-    alone differed from the same row in batches of 2, 3 and 4, which all agreed)."""
+    """x [1, ...] as [2, ...] (the row twice). Where the CPU row kernel does not take attention's products
+    (`rowwise.attention_rows_exact`), the batch-invariant form attends a lone row beside a copy of itself: XLA:CPU
+    drops a batch axis of size 1 and then emits the attention products with other sums (measured: one row alone
+    differed from the same row in batches of 2, 3 and 4, which all agreed)."""
     return jnp.concatenate([x, x])
 
 

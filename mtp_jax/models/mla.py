@@ -37,7 +37,7 @@ from mtp_jax.models.cache_attention import (
     with_block,
 )
 from mtp_jax.models.layers import RMSNorm, apply_rope, init_weight
-from mtp_jax.models.rowwise import float32_product, product, project
+from mtp_jax.models.rowwise import attention_rows_exact, float32_product, product, project, row_product
 from mtp_jax.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
 
 
@@ -210,14 +210,16 @@ class MultiHeadLatentAttention(nnx.Module):
             query = constrain(query, WHOLE_HEADS)
         query_rows = jnp.tile(query, (shards, 1, 1, 1))  # [M * B, T, N, C]
         run_starts, entries = whole_chunk_runs(slots, shards), block.astype(past.dtype)  # as the cache will hold it
-        widen = two_rows if query_rows.shape[0] == 1 else lambda x: x
+        exact_rows = attention_rows_exact(dtype)  # no twin for a lone row (rowwise.row_product)
+        widen = two_rows if not exact_rows and query_rows.shape[0] == 1 else lambda x: x
+        scores_of, output_of = (row_product, row_product) if exact_rows else (product, float32_product)
         query_rows = widen(query_rows)
 
         def attend_chunk(first):
             chunk = read_chunks(past, first, ATTENTION_CHUNK, shards)  # [M * B, S, C], S: a chunk
             latents = widen(with_block(chunk, entries, positions, run_starts + first)).astype(dtype)
-            scores = product("BTNC,BSC->BNTS", query_rows, latents)
-            return scores, lambda probs: float32_product("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r])
+            scores = scores_of("BTNC,BSC->BNTS", query_rows, latents)
+            return scores, lambda probs: output_of("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r])
 
         b, t, n, _ = query.shape
         rows = widen(positions), None if visible_from is None else widen(visible_from)
