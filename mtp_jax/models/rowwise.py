@@ -72,9 +72,8 @@ def attention_rows_exact(dtype) -> bool:
     """Whether batch-invariant attention traced now can give each row its sums alone (`row_product`): on a CPU with
     the row kernel, one device, operands (the cache read in the queries' dtype) of float32 or bfloat16. Elsewhere
     a lone row attends beside a copy of itself (`cache_attention.two_rows`): XLA:CPU drops a batch axis of one."""
-    if fixed_tiles.in_use() or not any(jnp.dtype(dtype) == d for d in (jnp.float32, jnp.bfloat16)):
-        return False
-    return one_device_active() and active_platform() == "cpu" and cpu_rows.status() == "ready"
+    kernel_dtype = any(jnp.dtype(dtype) == d for d in (jnp.float32, jnp.bfloat16))
+    return kernel_dtype and not fixed_tiles.in_use() and active_platform() == "cpu" and lone_rows_exact()
 
 
 def row_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
