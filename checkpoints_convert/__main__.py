@@ -1,4 +1,4 @@
-"""python -m checkpoints_convert SRC DST [--dtype bfloat16|float32] [--weights auto|bfloat16|int8|fp8] [--overwrite]"""
+"""python -m checkpoints_convert SRC DST [--dtype bfloat16|float32] [--weights auto|bfloat16|int8|int4|fp8] [--overwrite]"""
 
 from __future__ import annotations
 

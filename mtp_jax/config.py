@@ -12,7 +12,7 @@ import math
 from typing import Any, Literal
 
 LAYER_LAYOUTS = ("auto", "stacked", "unstacked")  # how layer parameters are held: models.causal_lm.apply_layer_layout
-WEIGHT_FORMATS = ("auto", "bfloat16", "int8", "fp8")  # how matmul weights are stored (mtp_jax/quant.py)
+WEIGHT_FORMATS = ("auto", "bfloat16", "int8", "int4", "fp8")  # how matmul weights are stored (mtp_jax/quant.py)
 
 MtpLayout = Literal["deepseek", "mimo", "qwen_next"]
 

@@ -13,6 +13,10 @@ a prefill's grouped expert matmuls). Stacked layers stack both arrays; shardings
 (declared where it is created: `sharding.param_axes`); a scale axis that its mesh axes do not divide is replicated.
 
 - int8: symmetric, one scale per output channel (max |w| over the contracting axes / 127).
+- int4: 4-bit values 0..15 with a float16 scale and min per block of 32 consecutive contracting elements, two values
+  a byte (llama.cpp's Q4_1 layout: 5 bits a weight; from a Q4_1 GGUF's dequantized weights it finds the file's own
+  blocks again). Read as stored by the CPU row kernel (models/cpu_rows.py); elsewhere XLA unpacks the values first
+  (compiled for TPU that writes them out: use int8 or fp8 there). Embeddings and lm_heads are stored as under int8.
 - fp8: blocks of 128 x 128 as the checkpoints use them: 128 consecutive inputs (the contracting axes flattened) by
   128 consecutive outputs (the output axes flattened), laid on our axes by `axis_blocks`; scale = max |w| / 448 per
   block. A layer or expert axis is never blocked across.
@@ -44,6 +48,8 @@ from mtp_jax.sharding import param_axes
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128
+INT4_BLOCK = 32  # contracting elements per 4-bit block (llama.cpp's Q4_0 / Q4_1)
+INT4_LEVELS = 15.0
 
 # Contracting axes of each quantized weight, counted over its own axes (without a leading stacked-layer axis), by
 # the last component of its path: the scales keep every other axis (one scale per output channel).
@@ -66,15 +72,21 @@ HEADS: dict[tuple[str, ...], tuple[int, ...]] = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
-    """values (int8 or float8_e4m3fn, the weight's shape) times scales (float32, one axis per weight axis: 1, the
-    axis's size, or a divisor of it for blocks of consecutive elements), read in `dtype`."""
+    """values (int8 or float8_e4m3fn, the weight's shape; or 4-bit values 0..15 `packed` two to a uint8 along the
+    last axis, the even index in the low nibble; uint8 values are packed ones) times scales (float32 or float16,
+    one axis per weight axis: 1, the axis's size, or a divisor of it for blocks of consecutive elements), plus
+    `mins` where given (as the scales: 4-bit blocks store value * scale + min), read in `dtype`."""
 
     values: jax.Array
     scales: jax.Array
     dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+    mins: jax.Array | None = None
+    packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.packed:
+            return (*self.values.shape[:-1], 2 * self.values.shape[-1])
         return self.values.shape
 
     @property
@@ -83,13 +95,32 @@ class QuantizedArray:
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + self.scales.nbytes
+        return self.values.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
+
+    def levels(self) -> jax.Array:
+        """The stored values in the weight's shape (4-bit ones unpacked, as uint8)."""
+        return unpack_nibbles(self.values) if self.packed else self.values
 
     def dequantize(self) -> jax.Array:
-        return (self.values.astype(jnp.float32) * expand_blocks(self.scales, self.shape)).astype(self.dtype)
+        w = self.levels().astype(jnp.float32) * expand_blocks(self.scales.astype(jnp.float32), self.shape)
+        if self.mins is not None:
+            w = w + expand_blocks(self.mins.astype(jnp.float32), self.shape)
+        return w.astype(self.dtype)
 
     def __getitem__(self, index):
         return self.dequantize()[index]
+
+
+def pack_nibbles(levels: jax.Array) -> jax.Array:
+    """uint8 values 0..15 [..., 2n] -> [..., n], two to a byte: the even index in the low nibble."""
+    pairs = levels.astype(jnp.uint8).reshape(*levels.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """`pack_nibbles` undone: uint8 [..., n] -> [..., 2n]."""
+    pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dense(weight: jax.Array | QuantizedArray) -> jax.Array:
@@ -107,7 +138,34 @@ def expand_blocks(scales: jax.Array, shape: Sequence[int]) -> jax.Array:
 
 
 def quantized_einsum(equation: str, x: jax.Array, weight: QuantizedArray) -> jax.Array:
-    """jnp.einsum(equation, x, weight.dequantize()) in float32, without forming the dequantized weight: the stored
+    """jnp.einsum(equation, x, weight.dequantize()) in float32, the weight read as stored (`_blocked_einsum`); with
+    `mins`, plus the product of x's block sums by the mins (`_min_products`)."""
+    levels = QuantizedArray(weight.levels(), weight.scales, weight.dtype)
+    product = _blocked_einsum(equation, x, levels)
+    return product if weight.mins is None else product + _min_products(equation, x, weight.mins, weight.shape)
+
+
+def _min_products(equation: str, x: jax.Array, mins: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """jnp.einsum(equation, x, mins spread over their blocks of a weight of `shape`) in float32, from x's sums over
+    each block (a product over blocks, not over the weight's elements)."""
+    inputs, out = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    lead = x.ndim - len(lhs.removeprefix("..."))  # axes "..." stands for
+    x = x.astype(jnp.float32)
+    mins = mins.astype(jnp.float32)
+    for axis, letter in enumerate(rhs):
+        n, d = mins.shape[axis], shape[axis]
+        if letter in out:
+            mins = _spread(mins, axis, d)
+        elif n != d:  # x summed over each block of d / n (the whole axis: n = 1)
+            at = lead + lhs.removeprefix("...").index(letter)
+            x = jnp.sum(_split(x, at, n), axis=at + 1)
+    return jnp.einsum(equation, x, mins, preferred_element_type=jnp.float32)
+
+
+def _blocked_einsum(equation: str, x: jax.Array, weight: QuantizedArray) -> jax.Array:
+    """jnp.einsum(equation, x, values * scales) in float32 (weight's values unpacked, no mins), without forming
+    the dequantized weight: the stored
     values (exact in x's dtype: int8 and e4m3 fit bfloat16's mantissa) enter the matmul as they are, one partial
     product per block of a contracting axis that the scales cut into blocks, and the scales multiply the float32
     partial products, which are then added (each output element's blocks in order, whatever the number of rows). A
@@ -118,7 +176,7 @@ def quantized_einsum(equation: str, x: jax.Array, weight: QuantizedArray) -> jax
     a free view of the weight ([K, N] as [K / b, b, N]), and the scaling and the sum fuse into the dot's output."""
     inputs, out = equation.split("->")
     lhs, rhs = inputs.split(",")
-    values, scales = weight.values, weight.scales
+    values, scales = weight.values, weight.scales.astype(jnp.float32)
     free = iter(sorted(set(string.ascii_letters) - set(equation)))
     blocks, scale_axes = "", []  # letters of the partial products' block axes; scales' axes as (letter, size)
     for axis, letter in enumerate(rhs):
@@ -221,6 +279,30 @@ def quantize_fp8(weight: jax.Array, contracting: Sequence[int], batched: Sequenc
     return quantize_blocks(weight, blocks, FP8_MAX, jnp.float8_e4m3fn)
 
 
+def quantize_int4(weight: jax.Array, contracting: Sequence[int]) -> QuantizedArray:
+    """4-bit values 0..15 with a float16 scale and min per block of INT4_BLOCK consecutive contracting elements
+    (the contracting axes flattened, `axis_blocks`): scale = (max - min) / 15, w ~ value * scale + min (the layout of
+    llama.cpp's Q4_1, whose blocks this reproduces from their dequantized weights). Packed two to a byte along the
+    last axis where its size is even."""
+    w = weight.astype(jnp.float32)
+    boxes = axis_blocks([w.shape[a] for a in contracting], INT4_BLOCK)
+    blocks = [1] * w.ndim
+    for axis, box in zip(contracting, boxes, strict=True):
+        blocks[axis] = box
+    split = [n for d, b in zip(w.shape, blocks, strict=True) for n in (d // b, b)]
+    inner = tuple(range(1, len(split), 2))
+    low, high = jnp.min(w.reshape(split), axis=inner), jnp.max(w.reshape(split), axis=inner)
+    mins = low.astype(jnp.float16)
+    scales = ((high - mins.astype(jnp.float32)) / INT4_LEVELS).astype(jnp.float16)
+    step = scales.astype(jnp.float32)
+    step = jnp.where(step > 0, step, 1.0)  # a constant block: every value 0
+    shifted = (w - expand_blocks(mins.astype(jnp.float32), w.shape)) / expand_blocks(step, w.shape)
+    levels = jnp.clip(jnp.round(shifted), 0, INT4_LEVELS).astype(jnp.uint8)
+    packed = w.shape[-1] % 2 == 0
+    values = pack_nibbles(levels) if packed else levels.astype(jnp.int8)  # uint8 values: packed, and only then
+    return QuantizedArray(values, scales, jnp.dtype(weight.dtype), mins, packed)
+
+
 def matmul_axes(path: Sequence[str], axes: Sequence[str | None]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(contracting axes, batched axes) of the whole array (leading stacked-layer axes counted as batched) of the
     weight at `path` with logical `axes` (`sharding.param_axes`: its declared ones after a `layers` axis per stacked
@@ -235,21 +317,22 @@ def matmul_axes(path: Sequence[str], axes: Sequence[str | None]) -> tuple[tuple[
 
 
 def stored_axes(path: Sequence[str], axes: Sequence[str | None], weights: str):
-    """`matmul_axes` of the weight at `path` for storage as `weights`: under int8 the embeddings and lm_heads too
-    (`HEADS`)."""
+    """`matmul_axes` of the weight at `path` for storage as `weights`: under int8 and int4 the embeddings and
+    lm_heads too (`HEADS`; stored int8 either way)."""
     names = tuple(str(p) for p in path)
-    if weights == "int8" and names in HEADS:
+    if weights in ("int8", "int4") and names in HEADS:
         return HEADS[names], ()
     return matmul_axes(names, axes)
 
 
 def take_rows(weight: jax.Array | QuantizedArray, ids: jax.Array) -> jax.Array:
-    """jnp.take(weight, ids, axis=0) in the weight's dtype; a quantized one ([V, D] with a scale per row)
-    dequantizes only the rows taken."""
+    """jnp.take(weight, ids, axis=0) in the weight's dtype; a quantized one (its scales one per row or one along
+    axis 0) dequantizes only the rows taken."""
     if not isinstance(weight, QuantizedArray):
         return jnp.take(weight, ids, axis=0)
-    values = jnp.take(weight.values, ids, axis=0).astype(jnp.float32)
-    return (values * jnp.take(weight.scales, ids, axis=0)).astype(weight.dtype)
+    rows = lambda a: a if a is None or a.shape[0] == 1 else jnp.take(a, ids, axis=0)
+    taken = dataclasses.replace(weight, values=jnp.take(weight.values, ids, axis=0), scales=rows(weight.scales))
+    return dataclasses.replace(taken, mins=rows(weight.mins)).dequantize()
 
 
 def take_columns(weight: jax.Array | QuantizedArray, ids: jax.Array):
@@ -268,9 +351,15 @@ def take_quantized_rows(weight: jax.Array | QuantizedArray, ids: jax.Array):
     return QuantizedArray(jnp.take(weight.values, ids, axis=0), jnp.take(weight.scales, ids, axis=0), weight.dtype)
 
 
-def quantize_weight(weight: jax.Array, weights: str, contracting, batched) -> QuantizedArray:
-    """`weight` stored as `weights` ("int8" or "fp8") for a matmul over `contracting` axes, `batched` unblocked."""
-    return quantize_int8(weight, contracting) if weights == "int8" else quantize_fp8(weight, contracting, batched)
+def quantize_weight(weight: jax.Array, weights: str, contracting, batched, path: Sequence[str] = ()) -> QuantizedArray:
+    """`weight` (at `path`) stored as `weights` ("int8", "int4" or "fp8") for a matmul over `contracting` axes,
+    `batched` unblocked; under int4 an embedding or lm_head (`HEADS`) is stored int8, one scale per vocabulary
+    entry: it is read as a lookup too, and llama.cpp's files keep it 8-bit."""
+    if weights == "int4" and tuple(str(p) for p in path) not in HEADS:
+        return quantize_int4(weight, contracting)
+    if weights in ("int8", "int4"):
+        return quantize_int8(weight, contracting)
+    return quantize_fp8(weight, contracting, batched)
 
 
 def quantize_model(model, weights: str):
@@ -294,7 +383,7 @@ def quantize_model(model, weights: str):
         axes = stored_axes(names, layout, weights)
         if axes is None:
             continue
-        quantized = quantize_weight(param.get_value(), weights, *axes)
+        quantized = quantize_weight(param.get_value(), weights, *axes, names)
         if rules is not None:  # values and scales laid out as the weight
             place = lambda leaf, layout=layout: jax.device_put(leaf, rules.sharding(layout, leaf.shape))
             quantized = jax.tree.map(place, quantized)

@@ -1,8 +1,9 @@
 """The CPU's row kernel (mtp_jax/models/cpu_rows.py, native/row_matmul.cc), built on first use with g++.
 
 - Every equation the models hand `rowwise.project` (projections to heads, two contracting axes, the tied lm_head
-  read as the embedding, per-expert and per-head batches), with float32, bfloat16 and int8 weights and float32 or
-  bfloat16 activations, against an exact float32 einsum; an int8 weight enters as stored.
+  read as the embedding, per-expert and per-head batches), with float32, bfloat16, int8 and 4-bit (blocks with
+  float16 scales and mins, packed two to a byte) weights and float32 or bfloat16 activations, against an exact
+  float32 einsum; an int8 weight enters as stored.
 - A row's bits do not depend on how many rows share the pass (1 to 9 and 17: every remainder of the kernel's groups
   of 8 rows), where XLA:CPU's own one-row product gives other bits (so the comparison can fail).
 - Which products take it; without a compiler everything stays XLA's and a lone prompt decodes beside its twin.
@@ -22,7 +23,7 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax import quant, shapes, speculative
-from mtp_jax.models import cpu_rows
+from mtp_jax.models import cpu_rows, matmul_layout, rowwise
 from mtp_jax.models.rowwise import lone_rows_exact, project
 from tests.prompts import invariant_greedy
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(cpu_rows.status() != "ready", reason=f"CPU row k
 EQUATIONS = {  # equation: (x's shape, the weight's shape, its contracting axes)
     "BTD,DNH->BTNH": ((3, 5, 150), (150, 2, 40), (0,)),
     "BTNH,NHD->BTD": ((3, 5, 2, 40), (2, 40, 70), (0, 1)),
-    "...D,VD->...V": ((3, 5, 70), (90, 70), (1,)),  # the tied lm_head: the embedding as stored
+    "...D,VD->...V": ((3, 5, 64), (90, 64), (1,)),  # the tied lm_head: the embedding as stored
     "EMF,EFD->EMD": ((4, 6, 48), (4, 48, 30), (1,)),  # every expert's rows
     "BTNH,RNH->BTNR": ((2, 3, 4, 24), (20, 4, 24), (2,)),  # latent attention's per-head absorption
 }
@@ -44,18 +45,30 @@ def _operands(equation, x_dtype, weight_form, seed=0):
     weight = jnp.asarray(rng.normal(size=w_shape) / 8, jnp.float32)
     if weight_form == "int8":
         return x, dataclasses.replace(quant.quantize_int8(weight, contracting), dtype=x_dtype)
+    if weight_form == "int4":
+        return x, dataclasses.replace(quant.quantize_int4(weight, contracting), dtype=x_dtype)
     return x, weight.astype(weight_form)
 
 
+FORMS = [jnp.float32, jnp.bfloat16, "int8", "int4"]
+FORM_IDS = ["float32", "bfloat16", "int8", "int4"]
+
+
 @pytest.mark.parametrize("equation", EQUATIONS)
-@pytest.mark.parametrize("weight_form", [jnp.float32, jnp.bfloat16, "int8"], ids=["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("weight_form", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16], ids=["x32", "x16"])
 def test_agrees_with_an_exact_einsum(equation, weight_form, x_dtype):
     x, weight = _operands(equation, x_dtype, weight_form)
-    assert cpu_rows.takes(equation, x, weight, invariant=False)
-    got = cpu_rows.einsum(equation, x, weight)
-    if weight_form == "int8":  # the stored values times their scales, in float32
-        dense = weight.values.astype(jnp.float32) * quant.expand_blocks(weight.scales, weight.shape)
+    in_place = matmul_layout.reads_in_place(matmul_layout.layout(equation, x.shape, weight.shape))
+    # packed 4-bit values are only read in place (the per-head absorption's weight is not: XLA's product)
+    assert cpu_rows.takes(equation, x, weight, invariant=False) == (weight_form != "int4" or in_place)
+    if weight_form == "int4" and not in_place:
+        got = rowwise.project(equation, x, weight, jnp.float32)
+    else:
+        got = cpu_rows.einsum(equation, x, weight)
+    if weight_form in ("int8", "int4"):  # the stored values times their scales (plus the mins), in float32
+        dense = weight.levels().astype(jnp.float32) * quant.expand_blocks(weight.scales, weight.shape)
+        dense = dense if weight.mins is None else dense + quant.expand_blocks(weight.mins, weight.shape)
     else:
         dense = weight.astype(jnp.float32)
     want = jnp.einsum(equation, x.astype(jnp.float32), dense, precision="highest")
@@ -67,16 +80,21 @@ def test_an_int8_weight_enters_as_stored():
     x, weight = _operands("BTD,DNH->BTNH", jnp.bfloat16, "int8")
     jaxpr = str(jax.make_jaxpr(lambda x, w: project("BTD,DNH->BTNH", x, w))(x, weight))
     assert "ffi_call" in jaxpr and "i8[1,150,80]" in jaxpr  # the values as stored, no dequantized copy
+    x, weight = _operands("BTD,DNH->BTNH", jnp.bfloat16, "int4")  # blocks of 2 (150 = 75 x 2) along D
+    jaxpr = str(jax.make_jaxpr(lambda x, w: project("BTD,DNH->BTNH", x, w))(x, weight))
+    assert "u8[1,150,40]" in jaxpr and "f16[1,75,80]" in jaxpr  # two values a byte; float16 scales and mins
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["KN", "NK"])
-@pytest.mark.parametrize("weight_form", [jnp.float32, jnp.bfloat16, "int8"], ids=["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("weight_form", FORMS, ids=FORM_IDS)
 def test_a_rows_bits_do_not_depend_on_the_pass(transposed, weight_form):
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(17, 200)), jnp.bfloat16)
-    weight = jnp.asarray(rng.normal(size=(300, 200) if transposed else (200, 300)) / 16, jnp.float32)
-    weight = quant.quantize_int8(weight, (1,) if transposed else (0,)) if weight_form == "int8" else weight
-    weight = weight.astype(weight_form) if weight_form != "int8" else weight
+    k = 192 if weight_form == "int4" else 200  # 4-bit: six blocks of 32; else a partial vector at the end
+    x = jnp.asarray(rng.normal(size=(17, k)), jnp.bfloat16)
+    weight = jnp.asarray(rng.normal(size=(300, k) if transposed else (k, 300)) / 16, jnp.float32)
+    quantize = {"int8": quant.quantize_int8, "int4": quant.quantize_int4}.get(weight_form)
+    weight = quantize(weight, (1,) if transposed else (0,)) if quantize else weight.astype(weight_form)
+    assert cpu_rows.takes("MD,ND->MN" if transposed else "MD,DN->MN", x, weight, invariant=True)
     equation = "MD,ND->MN" if transposed else "MD,DN->MN"
     kernel = jax.jit(lambda x: cpu_rows.einsum(equation, x, weight))
     alone = np.stack([np.asarray(kernel(x[i : i + 1]))[0] for i in range(17)])

@@ -46,6 +46,7 @@ ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant deco
 DISABLE_ENV = "MTP_JAX_NATIVE"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of this many contracting elements a block
 _LOCK = threading.Lock()
 _REGISTERED: list[Path] = []  # the library whose handler this process registered
 
@@ -132,18 +133,36 @@ def _status_once() -> str:
 
 def takes(equation: str, x: jax.Array, weight, invariant: bool) -> bool:
     """Whether x's product with `weight` under `equation` runs here: on a CPU, one device, a float32 / bfloat16 /
-    int8-per-channel weight, and (unless `invariant`) at most ROWS_MAX rows; builds the kernel on first call."""
+    int8 weight, or a quantized one whose scales (float32 or float16) and mins cut the contracting axes into
+    contiguous blocks (4-bit values packed or not; read as [G, N, K]: blocks of whole vectors), and (unless
+    `invariant`) at most ROWS_MAX rows; builds the kernel on first call."""
     if active_platform() != "cpu" or not one_device_active():
         return False
-    values = weight.values if isinstance(weight, QuantizedArray) else weight
-    if not any(values.dtype == d for d in WEIGHT_DTYPES) or not jnp.issubdtype(x.dtype, jnp.floating):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not _kernel_weight(weight):
         return False
     lay = matmul_layout.layout(equation, x.shape, weight.shape)
-    if isinstance(weight, QuantizedArray) and matmul_layout.contracting_blocks(lay, weight) != 1:
-        return False  # blocks along the contracting axes (fp8): XLA's blocked product
+    if isinstance(weight, QuantizedArray) and not _kernel_blocks(lay, weight):
+        return False
     if not invariant and lay.gmkn[1] > ROWS_MAX:
         return False
     return status() == "ready"
+
+
+def _kernel_weight(weight) -> bool:
+    if not isinstance(weight, QuantizedArray):
+        return any(weight.dtype == d for d in WEIGHT_DTYPES)
+    if weight.packed:
+        return weight.values.dtype == jnp.uint8
+    scales = weight.scales.dtype
+    return weight.values.dtype == jnp.int8 and any(scales == d for d in (jnp.float32, jnp.float16))
+
+
+def _kernel_blocks(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
+    kb = matmul_layout.contracting_blocks(lay, weight)
+    if kb is None or (weight.packed and not matmul_layout.reads_in_place(lay)):
+        return False
+    blocked = kb > 1 or weight.mins is not None or weight.scales.dtype != jnp.float32
+    return not (blocked and lay.transposed and (lay.gmkn[2] // kb) % BLOCK_LANES)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -153,16 +172,21 @@ def einsum(equation: str, x: jax.Array, weight) -> jax.Array:
     of XLA's product (training a head through frozen trunk projections)."""
     lay = matmul_layout.layout(equation, x.shape, weight.shape)
     g, m, _, n = lay.gmkn
+    mins, packed = jnp.zeros((0,), jnp.float32), False
     if isinstance(weight, QuantizedArray):
-        scales, values = matmul_layout.scales(lay, weight), weight.values
+        values, packed = weight.values, weight.packed
+        scales = matmul_layout.scales(lay, weight, columns_first=lay.transposed)  # [G, KB, N] or [G, N, KB]
+        if weight.mins is not None:
+            mins = matmul_layout.scales(lay, weight, weight.mins, columns_first=lay.transposed)
     else:
-        scales, values = jnp.ones((g, 1, n), jnp.float32), weight
+        scales, values = jnp.ones((g, n, 1) if lay.transposed else (g, 1, n), jnp.float32), weight
     rows = matmul_layout.activations(lay, x)  # [G, M, K]
     if rows.dtype != jnp.bfloat16:  # the kernel widens bfloat16 itself: a widening here could fuse into its
         rows = rows.astype(jnp.float32)  # producer, which may then skip its rounding to bfloat16 in one program only
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32), vmap_method="sequential")
-    values = matmul_layout.weight(lay, values)  # [G, K, N] or [G, N, K], as stored
-    product = call(rows, values, scales.astype(jnp.float32), transposed=np.int64(lay.transposed))  # [G, M, N]
+    values = matmul_layout.weight(lay, values, packed)  # [G, K, N] or [G, N, K], as stored
+    attrs = dict(transposed=np.int64(lay.transposed), packed=np.int64(packed))
+    product = call(rows, values, scales, mins.astype(scales.dtype), **attrs)  # [G, M, N]
     return matmul_layout.output(lay, product)
 
 

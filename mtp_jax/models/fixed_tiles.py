@@ -87,13 +87,14 @@ def tracing_invariant() -> bool:
 def einsum(equation: str, a: jax.Array, b: jax.Array | QuantizedArray) -> jax.Array:
     """jnp.einsum(equation, a, b) in float32, each output element summed in a fixed order (module docstring); a
     quantized b is read as stored (its scales need contracting blocks of whole `depth` steps, else it is dequantized
-    first). The equation's letters are laid out as `matmul_layout` says: b is read in place when stored [.., K, N] or
-    [.., N, K] (a weight [D, V] or an embedding [V, D])."""
+    first, as 4-bit blocks are). The equation's letters are laid out as `matmul_layout` says: b is read in place
+    when stored [.., K, N] or [.., N, K] (a weight [D, V] or an embedding [V, D])."""
     lay = matmul_layout.layout(equation, a.shape, b.shape)
     scales = None
     if isinstance(b, QuantizedArray):
         kb, k = matmul_layout.contracting_blocks(lay, b), lay.gmkn[2]
         whole_steps = kb is not None and (kb == 1 or (k // kb) % TILES.depth == 0)
+        whole_steps = whole_steps and b.mins is None and not b.packed  # 4-bit blocks: dequantized
         b, scales = (b.values, matmul_layout.scales(lay, b)) if whole_steps else (b.dequantize(), None)  # [G, KB, N]
     b = matmul_layout.weight(lay, b if scales is not None else b.astype(a.dtype))
     a = matmul_layout.activations(lay, a)

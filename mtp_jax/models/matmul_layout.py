@@ -4,8 +4,10 @@ take (models/fixed_tiles.py on a GPU, models/cpu_rows.py on a CPU).
 Each letter of the equation is a batch axis (in both operands and the output), a row axis (the activations and the
 output), a column axis (the weight and the output) or contracted (both operands). The activations become [G, M, K]
 and the weight [G, K, N], or [G, N, K] when it is already stored that way (an embedding read as a tied lm_head):
-then it is read in place, as it is for a weight stored [.., K, N]. A quantized weight's scales become [G, KB, N]:
-one per output column and per block of K / KB consecutive contracting elements.
+then it is read in place, as it is for a weight stored [.., K, N]. A quantized weight's scales (and mins) become
+[G, KB, N]: one per output column and per block of K / KB consecutive contracting elements ([G, N, KB] for the CPU
+kernel when the weight is read as [G, N, K]: as the scales lie then). A weight of packed 4-bit values is only read in
+place: a free view of its bytes, [G, K, N / 2] or [G, N, K / 2].
 """
 
 from __future__ import annotations
@@ -73,11 +75,26 @@ def activations(lay: Layout, a: jax.Array) -> jax.Array:
     return jnp.einsum(f"{lay.lhs}->{''.join(lay.batch + lay.rows + lay.contract)}", a).reshape(g, m, k)
 
 
-def weight(lay: Layout, b: jax.Array) -> jax.Array:
-    """b -> [G, K, N], or [G, N, K] when `lay.transposed` (then, like a weight stored [.., K, N], a free view)."""
+def weight(lay: Layout, b: jax.Array, packed: bool = False) -> jax.Array:
+    """b -> [G, K, N], or [G, N, K] when `lay.transposed` (then, like a weight stored [.., K, N], a free view);
+    `packed` b (two 4-bit values a byte along its last axis, see `reads_in_place`) -> its bytes in that shape, the
+    last axis halved."""
     g, _, k, n = lay.gmkn
-    order = lay.batch + (lay.cols + lay.contract if lay.transposed else lay.contract + lay.cols)
-    return jnp.einsum(f"{lay.rhs}->{''.join(order)}", b).reshape(g, *((n, k) if lay.transposed else (k, n)))
+    order = weight_order(lay)
+    shape = (g, n, k) if lay.transposed else (g, k, n)
+    if packed:
+        return b.reshape(*shape[:2], shape[2] // 2)
+    return jnp.einsum(f"{lay.rhs}->{order}", b).reshape(shape)
+
+
+def weight_order(lay: Layout) -> str:
+    """The weight's letters in the order the kernels read them."""
+    return "".join(lay.batch + (lay.cols + lay.contract if lay.transposed else lay.contract + lay.cols))
+
+
+def reads_in_place(lay: Layout) -> bool:
+    """Whether the weight's axes are already in the kernels' order (`weight` is then a reshape)."""
+    return lay.rhs == weight_order(lay)
 
 
 def output(lay: Layout, product: jax.Array) -> jax.Array:
@@ -97,15 +114,18 @@ def contracting_blocks(lay: Layout, w: QuantizedArray) -> int | None:
     return math.prod(counts[c] for c in lay.contract)
 
 
-def scales(lay: Layout, w: QuantizedArray) -> jax.Array | None:
-    """w's scales as [G, KB, N] (see the module docstring); None where `contracting_blocks` is."""
+def scales(lay: Layout, w: QuantizedArray, array: jax.Array | None = None, columns_first: bool = False):
+    """w's scales (or `array` shaped as them: its mins) as [G, KB, N], or as [G, N, KB] with `columns_first` (see
+    the module docstring); None where `contracting_blocks` is."""
     kb = contracting_blocks(lay, w)
     if kb is None:
         return None
     counts = dict(zip(lay.rhs, w.scales.shape, strict=True))
-    expanded = w.scales
+    expanded = w.scales if array is None else array
     for axis, letter in enumerate(lay.rhs):  # output columns and batch axes: a scale per element
         if letter not in lay.contract and counts[letter] != lay.size[letter]:
             expanded = jnp.repeat(expanded, lay.size[letter] // counts[letter], axis=axis)
-    expanded = jnp.einsum(f"{lay.rhs}->{''.join(lay.batch + lay.contract + lay.cols)}", expanded)
-    return expanded.reshape(lay.extent(lay.batch), kb, lay.extent(lay.cols))
+    order = lay.batch + ((lay.cols + lay.contract) if columns_first else (lay.contract + lay.cols))
+    expanded = jnp.einsum(f"{lay.rhs}->{''.join(order)}", expanded)
+    g, n = lay.extent(lay.batch), lay.extent(lay.cols)
+    return expanded.reshape((g, n, kb) if columns_first else (g, kb, n))

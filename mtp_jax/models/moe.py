@@ -148,7 +148,8 @@ def _quantized_spec(
         if n > 1 and n % shards:
             return None
         parts.append(None if n == 1 else part)
-    return QuantizedArray(spec, PartitionSpec(*parts), weight.dtype)
+    scales = PartitionSpec(*parts)
+    return QuantizedArray(spec, scales, weight.dtype, None if weight.mins is None else scales, weight.packed)
 
 
 class MoE(nnx.Module):

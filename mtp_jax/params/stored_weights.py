@@ -1,8 +1,9 @@
 """Quantized weights in a converted folder: written as stored (`checkpoints_convert --weights`), restored as stored.
 
-A weight kept quantized (`mtp_jax.quant.QuantizedArray`) goes into the orbax checkpoint as two arrays under its path,
-`values` (int8 or float8_e4m3fn) and `scales` (float32), and into the folder's `quantized.json` as its path with the
-values' dtype and the scales' shape, which is what a restore needs to build its targets. A folder without that file
+A weight kept quantized (`mtp_jax.quant.QuantizedArray`) goes into the orbax checkpoint as arrays under its path,
+`values` (int8, float8_e4m3fn, or uint8 holding two 4-bit values each), `scales` (float32 or float16) and, for 4-bit
+blocks, `mins`, and into the folder's `quantized.json` as its path with the values' dtype and shape and the scales'
+dtype and shape, which is what a restore needs to build its targets. A folder without that file
 holds every parameter in its model dtype, as folders always did.
 """
 
@@ -24,17 +25,17 @@ QUANTIZED_FILE = "quantized.json"  # {"/"-joined path: {"values_dtype": ..., "sc
 
 def stored_param(path: ParamPath, reader, weights: str, layout, dtype, on_tensor=None):
     """The parameter at `path` as `weights` stores it: a checkpoint's fp8 weight kept as its values and scales
-    ("auto", "fp8"); any other matmul weight quantized ("int8", "fp8"; under int8 the embeddings and lm_heads too);
-    everything else in the model dtype. NumPy arrays either way."""
+    ("auto", "fp8"); any other matmul weight quantized ("int8", "int4", "fp8"; under int8 and int4 the embeddings and
+    lm_heads too, as int8); everything else in the model dtype. NumPy arrays either way."""
     if weights in ("auto", "fp8") and reader.fp8_blocks is not None:
         parts = (reader.read(on_tensor, part="values"), reader.read(on_tensor, part="scales"))
         return QuantizedArray(*parts, jnp.dtype(dtype))
     dense = reader.read(on_tensor)
     axes = stored_axes(path, layout, weights)
-    if weights not in ("int8", "fp8") or axes is None:
+    if weights not in ("int8", "int4", "fp8") or axes is None:
         return dense
-    quantized = quantize_weight(jnp.asarray(dense), weights, *axes)
-    return QuantizedArray(np.asarray(quantized.values), np.asarray(quantized.scales), quantized.dtype)
+    quantized = quantize_weight(jnp.asarray(dense), weights, *axes, path)
+    return jax.tree.map(np.asarray, quantized)
 
 
 def split_quantized(params: dict[ParamPath, object]) -> tuple[dict[ParamPath, object], dict]:
@@ -43,9 +44,13 @@ def split_quantized(params: dict[ParamPath, object]) -> tuple[dict[ParamPath, ob
     for path, value in params.items():
         if isinstance(value, QuantizedArray):
             flat[path] = {"values": value.values, "scales": value.scales}
+            flat[path] |= {} if value.mins is None else {"mins": value.mins}
             manifest["/".join(path)] = {
                 "values_dtype": value.values.dtype.name,
+                "values_shape": list(value.values.shape),
+                "scales_dtype": value.scales.dtype.name,
                 "scales_shape": list(value.scales.shape),
+                "mins": value.mins is not None,
             }
         else:
             flat[path] = value
@@ -65,19 +70,26 @@ def read_manifest(folder: str) -> dict:
 
 
 def quantized_target(spec: jax.ShapeDtypeStruct, entry: dict, sharding_of) -> dict:
-    """The restore target of a weight stored quantized: {"values", "scales"} shapes, dtypes and shardings
-    (`sharding_of(shape)`, None for the default device)."""
-    scales = tuple(entry["scales_shape"])
-    return {
-        "values": jax.ShapeDtypeStruct(spec.shape, jnp.dtype(entry["values_dtype"]), sharding=sharding_of(spec.shape)),
-        "scales": jax.ShapeDtypeStruct(scales, jnp.float32, sharding=sharding_of(scales)),
+    """The restore target of a weight stored quantized: {"values", "scales"[, "mins"]} shapes, dtypes and
+    shardings (`sharding_of(shape)`, None for the default device). Folders written before 4-bit weights name
+    neither the values' shape nor the scales' dtype: the weight's shape and float32."""
+    values, scales = tuple(entry.get("values_shape", spec.shape)), tuple(entry["scales_shape"])
+    scales_dtype = jnp.dtype(entry.get("scales_dtype", "float32"))
+    target = {
+        "values": jax.ShapeDtypeStruct(values, jnp.dtype(entry["values_dtype"]), sharding=sharding_of(values)),
+        "scales": jax.ShapeDtypeStruct(scales, scales_dtype, sharding=sharding_of(scales)),
     }
+    if entry.get("mins"):
+        target["mins"] = jax.ShapeDtypeStruct(scales, scales_dtype, sharding=sharding_of(scales))
+    return target
 
 
 def as_quantized(tree, dtype):
-    """A restored parameter tree with each {"values", "scales"} pair as a `QuantizedArray` read in `dtype`."""
-    if isinstance(tree, dict) and set(tree) == {"values", "scales"}:
-        return QuantizedArray(tree["values"], tree["scales"], dtype)
+    """A restored parameter tree with each {"values", "scales"[, "mins"]} as a `QuantizedArray` read in `dtype`
+    (uint8 values: 4-bit, packed)."""
+    if isinstance(tree, dict) and set(tree) in ({"values", "scales"}, {"values", "scales", "mins"}):
+        packed = tree["values"].dtype == jnp.uint8
+        return QuantizedArray(tree["values"], tree["scales"], dtype, tree.get("mins"), packed)
     if isinstance(tree, dict):
         return {key: as_quantized(value, dtype) for key, value in tree.items()}
     return tree
