@@ -46,7 +46,8 @@ def load(
     e.g. to train a new head on the bare trunk).
 
     `weights` (`mtp_jax.quant`): "auto" keeps the weights as the checkpoint ships them (fp8 with block scales stays
-    fp8, dequantized inside the jitted step; the rest in `dtype`); "bfloat16" dequantizes everything into `dtype`;
+    fp8, dequantized inside the jitted step; a GGUF's Q4_1 and Q8_0 blocks stay in them, as int4 and int8 with
+    float16 block scales; the rest in `dtype`); "bfloat16" dequantizes everything into `dtype`;
     "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel scales; "fp8" keeps an fp8
     checkpoint as shipped and stores every matmul weight of any other as fp8 with 128 x 128 block scales.
     """
@@ -63,7 +64,7 @@ def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):
     rules = rules_for(mesh)
     dtype = jnp.dtype(dtype or default_dtype())
     if path is None:
-        return load_default(dtype, rules)
+        return load_default(dtype, rules, keep_blocks=weights == "auto")
     if os.path.isdir(path) and is_converted(path):
         from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
 
@@ -73,7 +74,7 @@ def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):
         return restore_converted(path, dtype, rules), tokenizer
     source = open_source(path)
     cfg = config_of(source)
-    params = read_params(source, cfg, dtype, rules, keep_fp8=weights in ("auto", "fp8"))
+    params = read_params(source, cfg, dtype, rules, keep_fp8=weights in ("auto", "fp8"), keep_blocks=weights == "auto")
     return assemble(cfg, nest(params), dtype, rules), source.load_tokenizer()
 
 

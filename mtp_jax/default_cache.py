@@ -2,9 +2,10 @@
 
 Dequantizing the GGUF (and building its tokenizer with transformers) takes seconds on every load; the first load
 writes what it read as a converted folder, `<cache>/converted/<gguf name>-<dtype>-<key>/`: the model config, the
-parameters as one memory-mapped safetensors file (`params/state_file.py`), the tokenizer files and `source.json`
-(what it was converted from). The key hashes the GGUF's path, size and modification time, the dtype, the mtp_jax
-version and FORMAT: another GGUF, package version or dtype converts afresh.
+parameters as one memory-mapped safetensors file (`params/state_file.py`; weights kept in the GGUF's blocks as
+their values, scales and mins), the tokenizer files and `source.json`
+(what it was converted from). The key hashes the GGUF's path, size and modification time, the dtype, whether its
+blocks are kept, the mtp_jax version and FORMAT: another GGUF, package version or dtype converts afresh.
 
 The folder is written beside its place and renamed into it (`conversion/writer.py`): a killed conversion leaves no
 folder that a load reads, and the next conversion removes what it left. A folder that cannot be read back (a tensor
@@ -36,18 +37,20 @@ from mtp_jax.params.converted import restore_converted
 from mtp_jax.params.open_source import open_source
 from mtp_jax.params.state_file import STATE_FILE, write_state
 from mtp_jax.params.tree import CONFIG_FILE, assemble, nest
+from mtp_jax.quant import QuantizedArray
 from mtp_jax.sharding import ShardingRules
 from mtp_jax.text_tokenizer import TOKENIZER_JSON, TextTokenizer
 
-FORMAT = 1  # raise when what a cached folder holds, or how the GGUF is read, changes
+FORMAT = 2  # raise when what a cached folder holds, or how the GGUF is read, changes
 SOURCE_FILE = "source.json"  # what the folder was converted from: the fields of its key
 CONVERTED = "converted"
 
 
-def source_fields(gguf: str, dtype) -> dict:
-    """What the cached conversion of `gguf` in `dtype` depends on."""
+def source_fields(gguf: str, dtype, keep_blocks: bool = True) -> dict:
+    """What the cached conversion of `gguf` in `dtype` (its blocks kept, or dequantized) depends on."""
     stat = os.stat(gguf)
     return {
+        "weights": "as shipped" if keep_blocks else "dequantized",
         "format": FORMAT,
         "mtp_jax": package_version(),
         "gguf": os.path.realpath(gguf),
@@ -64,39 +67,41 @@ def package_version() -> str:
         return "unknown"
 
 
-def cached_folder(gguf: str, dtype) -> str:
-    """Where the conversion of `gguf` in `dtype` is kept."""
-    fields = source_fields(gguf, dtype)
+def cached_folder(gguf: str, dtype, keep_blocks: bool = True) -> str:
+    """Where the conversion of `gguf` in `dtype` (blocks kept or not) is kept."""
+    fields = source_fields(gguf, dtype, keep_blocks)
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf))[0]
     return os.path.join(cache_dir(), CONVERTED, f"{stem}-{fields['dtype']}-{key}")
 
 
-def load_default(dtype, rules: ShardingRules | None) -> tuple[CausalLM, object]:
-    """(model, tokenizer) of the default model, from its cached conversion (made now if missing or broken)."""
+def load_default(dtype, rules: ShardingRules | None, keep_blocks: bool = True) -> tuple[CausalLM, object]:
+    """(model, tokenizer) of the default model, from its cached conversion (made now if missing or broken);
+    `keep_blocks`: its Q4_1 and Q8_0 weights held in their blocks (`placement.read_params`), else dequantized."""
     gguf = default_gguf_path()
     if jax.process_count() > 1:  # every process would write the cache: each reads the GGUF instead
-        return read_gguf(gguf, dtype, rules)
-    folder = cached_folder(gguf, dtype)
-    loaded = read_cached(folder, gguf, dtype, rules)
+        return read_gguf(gguf, dtype, rules, keep_blocks)
+    folder = cached_folder(gguf, dtype, keep_blocks)
+    loaded = read_cached(folder, gguf, dtype, rules, keep_blocks)
     if loaded is not None:
         return loaded
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         lock = open(f"{folder}.lock", "w")
     except OSError as e:
-        return cannot_keep(folder, e, read_gguf(gguf, dtype, rules))
+        return cannot_keep(folder, e, read_gguf(gguf, dtype, rules, keep_blocks))
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process converting: wait, then use its folder
-        loaded = read_cached(folder, gguf, dtype, rules)
+        loaded = read_cached(folder, gguf, dtype, rules, keep_blocks)
         if loaded is not None:
             return loaded
         print(f"mtp_jax: converting the default model once into {folder}", file=sys.stderr)
-        model, tokenizer = read_gguf(gguf, dtype, None)
+        model, tokenizer = read_gguf(gguf, dtype, None, keep_blocks)
         try:
-            write_cached(folder, model, tokenizer, source_fields(gguf, dtype))
+            write_cached(folder, model, tokenizer, source_fields(gguf, dtype, keep_blocks))
         except (OSError, ConversionError) as e:
-            return cannot_keep(folder, e, (model, tokenizer) if rules is None else read_gguf(gguf, dtype, rules))
+            reread = (model, tokenizer) if rules is None else read_gguf(gguf, dtype, rules, keep_blocks)
+            return cannot_keep(folder, e, reread)
     if rules is None:
         return model, tokenizer
     return restore_converted(folder, dtype, rules), tokenizer  # placed straight into the shardings
@@ -109,22 +114,24 @@ def cannot_keep(folder: str, error: Exception, loaded: tuple[CausalLM, object]) 
     return loaded
 
 
-def read_gguf(gguf: str, dtype, rules: ShardingRules | None) -> tuple[CausalLM, object]:
+def read_gguf(gguf: str, dtype, rules: ShardingRules | None, keep_blocks: bool = True) -> tuple[CausalLM, object]:
     """(model, transformers tokenizer) read from the GGUF itself."""
     source = open_source(gguf)
     cfg = config_of(source)
-    params = read_params(source, cfg, dtype, rules)
+    params = read_params(source, cfg, dtype, rules, keep_blocks=keep_blocks)
     return assemble(cfg, nest(params), dtype, rules), source.load_tokenizer()
 
 
-def read_cached(folder: str, gguf: str, dtype, rules: ShardingRules | None) -> tuple[CausalLM, object] | None:
+def read_cached(
+    folder: str, gguf: str, dtype, rules: ShardingRules | None, keep_blocks: bool = True
+) -> tuple[CausalLM, object] | None:
     """(model, tokenizer) from the cached folder; None when there is none. A folder that is not whole or not of
     this source is removed (under the caller's lock, or harmlessly: writers rename whole folders into place)."""
     if not os.path.isdir(folder):
         return None
     try:
         with open(os.path.join(folder, SOURCE_FILE), encoding="utf-8") as f:
-            if json.load(f) != source_fields(gguf, dtype):
+            if json.load(f) != source_fields(gguf, dtype, keep_blocks):
                 raise ConversionError(f"{folder}: converted from another source")
         model = restore_converted(folder, dtype, rules)
         return model, TextTokenizer.from_folder(folder)
@@ -136,7 +143,14 @@ def read_cached(folder: str, gguf: str, dtype, rules: ShardingRules | None) -> t
 
 def write_cached(folder: str, model: CausalLM, tokenizer, fields: dict) -> None:
     """Write the converted folder of `model` (on one device) and its transformers `tokenizer`, atomically."""
-    params = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
+    params = {}
+    for path, v in nnx.to_flat_state(nnx.state(model)):
+        path, value = tuple(str(p) for p in path), v.get_value()
+        if isinstance(value, QuantizedArray):  # as stored: path/values, path/scales (and path/mins)
+            parts = {"values": value.values, "scales": value.scales, "mins": value.mins}
+            params |= {(*path, part): np.asarray(a) for part, a in parts.items() if a is not None}
+        else:
+            params[path] = np.asarray(value)
 
     def fill(tmp: str) -> None:
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:

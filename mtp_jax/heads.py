@@ -111,7 +111,7 @@ def attach_head(model: CausalLM, folder: str) -> CausalLM:
     source = _HeadSource(head, cfg)
     rules = model.sharding_rules  # a model on a mesh gets its head placed beside it, shard by shard
     head_params = read_params(source, cfg, dtype, rules, only_mtp=True)
-    trunk = {tuple(str(p) for p in path): v[...] for path, v in nnx.to_flat_state(nnx.state(model))}
+    trunk = {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}  # as stored
     flat = {}
     for path in abstract_params(cfg, dtype):
         if path[0] == "mtp":

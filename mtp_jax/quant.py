@@ -279,20 +279,29 @@ def quantize_fp8(weight: jax.Array, contracting: Sequence[int], batched: Sequenc
     return quantize_blocks(weight, blocks, FP8_MAX, jnp.float8_e4m3fn)
 
 
+def _contracting_blocks(shape: Sequence[int], contracting: Sequence[int]) -> list[int]:
+    """Per-axis box sizes of blocks of INT4_BLOCK consecutive contracting elements (`axis_blocks`), 1 elsewhere."""
+    blocks = [1] * len(shape)
+    for axis, box in zip(contracting, axis_blocks([shape[a] for a in contracting], INT4_BLOCK), strict=True):
+        blocks[axis] = box
+    return blocks
+
+
+def _block_reduce(w: jax.Array, blocks: Sequence[int], reduce) -> jax.Array:
+    """`reduce` over each block of `blocks` -> [d // b for each axis]."""
+    split = [n for d, b in zip(w.shape, blocks, strict=True) for n in (d // b, b)]
+    return reduce(w.reshape(split), axis=tuple(range(1, len(split), 2)))
+
+
 def quantize_int4(weight: jax.Array, contracting: Sequence[int]) -> QuantizedArray:
     """4-bit values 0..15 with a float16 scale and min per block of INT4_BLOCK consecutive contracting elements
     (the contracting axes flattened, `axis_blocks`): scale = (max - min) / 15, w ~ value * scale + min (the layout of
-    llama.cpp's Q4_1, whose blocks this reproduces from their dequantized weights). Packed two to a byte along the
+    llama.cpp's Q4_1, whose blocks this finds again from their dequantized weights). Packed two to a byte along the
     last axis where its size is even."""
     w = weight.astype(jnp.float32)
-    boxes = axis_blocks([w.shape[a] for a in contracting], INT4_BLOCK)
-    blocks = [1] * w.ndim
-    for axis, box in zip(contracting, boxes, strict=True):
-        blocks[axis] = box
-    split = [n for d, b in zip(w.shape, blocks, strict=True) for n in (d // b, b)]
-    inner = tuple(range(1, len(split), 2))
-    low, high = jnp.min(w.reshape(split), axis=inner), jnp.max(w.reshape(split), axis=inner)
-    mins = low.astype(jnp.float16)
+    blocks = _contracting_blocks(w.shape, contracting)
+    mins = _block_reduce(w, blocks, jnp.min).astype(jnp.float16)
+    high = _block_reduce(w, blocks, jnp.max)
     scales = ((high - mins.astype(jnp.float32)) / INT4_LEVELS).astype(jnp.float16)
     step = scales.astype(jnp.float32)
     step = jnp.where(step > 0, step, 1.0)  # a constant block: every value 0
@@ -301,6 +310,23 @@ def quantize_int4(weight: jax.Array, contracting: Sequence[int]) -> QuantizedArr
     packed = w.shape[-1] % 2 == 0
     values = pack_nibbles(levels) if packed else levels.astype(jnp.int8)  # uint8 values: packed, and only then
     return QuantizedArray(values, scales, jnp.dtype(weight.dtype), mins, packed)
+
+
+def quantize_int8_blocks(weight: jax.Array, contracting: Sequence[int]) -> QuantizedArray:
+    """int8 values with a float16 scale per block of INT4_BLOCK consecutive contracting elements: scale = max |w| /
+    127 (llama.cpp's Q8_0, whose blocks this finds again from their dequantized weights)."""
+    w = weight.astype(jnp.float32)
+    scales = _block_reduce(jnp.abs(w), _contracting_blocks(w.shape, contracting), jnp.max) / INT8_MAX
+    scales = scales.astype(jnp.float16)
+    step = scales.astype(jnp.float32)
+    step = jnp.where(step > 0, step, 1.0)  # an all-zero block
+    values = jnp.clip(jnp.round(w / expand_blocks(step, w.shape)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return QuantizedArray(values, scales, jnp.dtype(weight.dtype))
+
+
+# How a GGUF's block formats are held when weights are kept as the checkpoint ships them ("auto"): by the quantizer
+# that finds the file's own blocks again from the weights they dequantize to (gguf_source.block_format names them).
+SHIPPED_BLOCKS = {"Q4_1": quantize_int4, "Q8_0": quantize_int8_blocks}
 
 
 def matmul_axes(path: Sequence[str], axes: Sequence[str | None]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -3,24 +3,35 @@ their shardings (each process reading only what its devices hold), fp8 weights k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.conversion.convert import param_readers
 from mtp_jax.models.causal_lm import model_param_axes
-from mtp_jax.quant import QuantizedArray
+from mtp_jax.quant import SHIPPED_BLOCKS, QuantizedArray, stored_axes
 from mtp_jax.sharding import ShardingRules, place
 
 
 def read_params(
-    source, cfg: ModelConfig, dtype, rules: ShardingRules | None, only_mtp: bool = False, keep_fp8: bool = False
+    source,
+    cfg: ModelConfig,
+    dtype,
+    rules: ShardingRules | None,
+    only_mtp: bool = False,
+    keep_fp8: bool = False,
+    keep_blocks: bool = False,
 ) -> dict:
     """Every parameter of a checkpoint source, by path, one at a time: on the default device without `rules`;
     with them, each process reads only the blocks its devices hold and places them straight into their sharding.
     `keep_fp8`: weights the checkpoint stores as fp8 with block scales stay so (`QuantizedArray`: the values and
-    their scales, each laid out as the weight), else they are dequantized into `dtype`."""
+    their scales, each laid out as the weight), else they are dequantized into `dtype`. `keep_blocks`: matmul
+    weights, embeddings and lm_heads a GGUF stores in a block format `quant.SHIPPED_BLOCKS` holds (Q4_1, Q8_0) stay
+    in it: read in float32 and quantized again, which finds the file's blocks bit for bit."""
     readers, _ = param_readers(source, cfg, dtype, only_mtp)
     layouts = model_param_axes(cfg, dtype)  # values and scales of a quantized weight laid out as the weight
 
@@ -32,8 +43,28 @@ def read_params(
 
     params = {}
     for path, reader in readers.items():
+        shipped = _shipped_blocks(source, path, reader, layouts[path]) if keep_blocks else None
         if keep_fp8 and reader.fp8_blocks is not None:
             params[path] = QuantizedArray(read(path, reader, "values"), read(path, reader, "scales"), jnp.dtype(dtype))
+        elif shipped is not None:
+            quantize, contracting = shipped
+            exact = dataclasses.replace(reader, dtype=np.dtype(np.float32))  # the file's values, unrounded
+            kept = dataclasses.replace(quantize(jnp.asarray(exact.read()), contracting), dtype=jnp.dtype(dtype))
+            place_leaf = lambda leaf, path=path: jax.device_put(leaf, rules.sharding(layouts[path], leaf.shape))
+            params[path] = kept if rules is None else jax.tree.map(place_leaf, kept)
         else:
             params[path] = read(path, reader, "dense")
     return params
+
+
+def _shipped_blocks(source, path, reader, layout):
+    """(quantizer, contracting axes) that hold the parameter at `path` as the GGUF `source` stores it, or None: a
+    matmul weight, embedding or lm_head whose every tensor is in one block format of `quant.SHIPPED_BLOCKS`."""
+    block_format = getattr(source, "block_format", None)
+    axes = stored_axes(path, layout, "int8")
+    if block_format is None or axes is None:
+        return None
+    formats = {block_format(name) for name, _ in reader.tensors}
+    if len(formats) != 1 or None in formats:
+        return None
+    return SHIPPED_BLOCKS[formats.pop()], axes[0]

@@ -145,6 +145,12 @@ class GGUFSource(CheckpointSource):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
 
+    def block_format(self, name: str) -> str | None:
+        """The GGUF block format tensor `name` is stored in, where `quant.SHIPPED_BLOCKS` can hold it as it is
+        ("Q4_1", "Q8_0"); None for any other."""
+        kind = self._tensors[name].tensor_type
+        return kind.name if kind in (Q.Q4_1, Q.Q8_0) else None
+
     def read(self, name: str) -> np.ndarray:
         t = self._tensors[name]
         shape = self.shape(name)

@@ -538,17 +538,30 @@ void by_row_groups(int64_t M, Body body) {
   }
 }
 
+template <typename X, typename W>
+void blocked_columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0,
+                     int64_t n1, const Blocks& q, float* out);
+
 // Every row of one matrix (x [M, K], w, out [M, N]) for output columns [n0, n1).
 template <typename X, typename W>
 void columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0, int64_t n1,
              const Blocks& q, float* out) {
-  if (q.KB == 1 && !q.mins && !q.half) {  // one float32 scale per column, applied to each finished sum
-    const float* scales = static_cast<const float*>(q.scales);
-    by_row_groups(M, [&](auto rows, int64_t m) {
-      rows_by_block<decltype(rows)::value>(x + m * K, K, w, N, transposed, n0, n1, scales, out + m * N);
-    });
-    return;
+  if constexpr (!std::is_same_v<W, U4>) {  // 4-bit values always come with blocks and mins (RowMatmul checks)
+    if (q.KB == 1 && !q.mins && !q.half) {  // one float32 scale per column, applied to each finished sum
+      const float* scales = static_cast<const float*>(q.scales);
+      by_row_groups(M, [&](auto rows, int64_t m) {
+        rows_by_block<decltype(rows)::value>(x + m * K, K, w, N, transposed, n0, n1, scales, out + m * N);
+      });
+      return;
+    }
   }
+  if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, U4>)  // blocks: int8 and 4-bit weights only
+    blocked_columns(x, M, K, w, N, transposed, n0, n1, q, out);
+}
+
+template <typename X, typename W>
+void blocked_columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0,
+                     int64_t n1, const Blocks& q, float* out) {
   const int64_t Kb = K / q.KB;
   std::vector<float> sums(q.mins ? M * q.KB : 0);  // [M, KB]: each row's sum of x over each block, k in order
   for (int64_t i = 0; i < static_cast<int64_t>(sums.size()); ++i) {
@@ -642,6 +655,9 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   const bool blocked = KB > 1 || has_mins || half;
   if (blocked && transposed && (K / KB) % kLanes != 0)
     return ffi::Error::InvalidArgument("row_matmul: blocks of a transposed weight must be whole vectors");
+  if ((blocked && w.element_type() != ffi::S8 && !packed) || (packed && !blocked))
+    return ffi::Error::InvalidArgument("row_matmul: blocks, float16 scales or mins need int8 or 4-bit weights, "
+                                       "and 4-bit weights need them");
   const Blocks q{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB};
   float* op = out->typed_data();
   switch (x.element_type()) {
