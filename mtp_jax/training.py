@@ -29,6 +29,7 @@ from flax import nnx, struct
 
 from mtp_jax.errors import UserError
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.quant import QuantizedArray, dense
 
 
 def loss_weights(num_steps: int, beta: float = 0.6) -> np.ndarray:
@@ -312,10 +313,12 @@ def frequent_tokens(records: list[dict], vocab_size: int, size: int) -> np.ndarr
 
 
 def init_head_from_trunk(model: CausalLM, key: jax.Array) -> None:
-    """Start the MTP block's L layers from the trunk's last L (of the trunk's last segment: the MTP layer's kind),
+    """Start the MTP block's L layers from the trunk's last L (of the trunk's last segment: the MTP layer's kind;
+    weights the trunk holds quantized start the head dequantized, in the model's dtype: a head trains in floats),
     its final norm from the trunk's, the fusion projection random (std 1/sqrt(2D)), fusion norms at one."""
     count = model.config.mtp.block_layers
-    last = jax.tree.map(lambda a: a[-count:], nnx.state(model.segments[-1].layers))
+    is_quantized = lambda a: isinstance(a, QuantizedArray)
+    last = jax.tree.map(lambda a: dense(a)[-count:], nnx.state(model.segments[-1].layers), is_leaf=is_quantized)
     nnx.update(model.mtp.block.layers, last)
     model.mtp.final_norm.scale[...] = jnp.copy(model.final_norm.scale[...])
     d = model.config.hidden_size

@@ -196,7 +196,12 @@ struct Blocks {
   bool half;
   int64_t KB;
   float value(const void* p, int64_t i) const {
-    return half ? half_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+    if (!half) return static_cast<const float*>(p)[i];
+#if defined(__F16C__)
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+#else
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+#endif
   }
   Vec vector(const void* p, int64_t i, int count) const {  // count <= 16 consecutive values, lanes past it zero
     if (count == kLanes)
