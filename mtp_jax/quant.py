@@ -363,18 +363,21 @@ def take_rows(weight: jax.Array | QuantizedArray, ids: jax.Array) -> jax.Array:
 
 def take_columns(weight: jax.Array | QuantizedArray, ids: jax.Array):
     """jnp.take(weight, ids, axis=1).T of a [D, V] weight ([Vd, D]); a quantized one stays quantized, its scales
-    (one per column) taken with its columns."""
+    (and mins) taken with its columns (4-bit values packed along V are unpacked first, one a byte)."""
     if not isinstance(weight, QuantizedArray):
         return jnp.take(weight, ids, axis=1).T
-    taken = [jnp.take(a, ids, axis=1).T for a in (weight.values, weight.scales)]
-    return QuantizedArray(*taken, weight.dtype)
+    levels = weight.levels() if not weight.packed else weight.levels().astype(jnp.int8)
+    take = lambda a: None if a is None else jnp.take(a, ids, axis=1).T
+    return QuantizedArray(take(levels), take(weight.scales), weight.dtype, take(weight.mins))
 
 
 def take_quantized_rows(weight: jax.Array | QuantizedArray, ids: jax.Array):
-    """jnp.take(weight, ids, axis=0) of a [V, D] weight; a quantized one stays quantized (its rows' scales)."""
+    """jnp.take(weight, ids, axis=0) of a [V, D] weight; a quantized one stays quantized (its rows' scales and
+    mins)."""
     if not isinstance(weight, QuantizedArray):
         return jnp.take(weight, ids, axis=0)
-    return QuantizedArray(jnp.take(weight.values, ids, axis=0), jnp.take(weight.scales, ids, axis=0), weight.dtype)
+    take = lambda a: None if a is None else jnp.take(a, ids, axis=0)
+    return dataclasses.replace(weight, values=take(weight.values), scales=take(weight.scales), mins=take(weight.mins))
 
 
 def quantize_weight(weight: jax.Array, weights: str, contracting, batched, path: Sequence[str] = ()) -> QuantizedArray:

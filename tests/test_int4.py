@@ -163,3 +163,20 @@ def test_float_checkpoint_converted_to_int4_loads_as_int4(tmp_path):
     plain = mtp_jax.generate(model, prompts, lens, jax.random.key(0), dataclasses.replace(cfg, num_draft=0))
     drafted = mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg)
     np.testing.assert_array_equal(np.asarray(drafted.tokens), np.asarray(plain.tokens))
+
+
+@pytest.mark.parametrize("form", ["int4", "int8", "int8_blocks"])
+def test_draft_vocabulary_rows_and_columns_of_a_quantized_head(form):
+    """The draft vocabulary's rows of an embedding [V, D] and columns of an lm_head [D, V] (a GGUF may ship either in
+    Q4_1 or Q8_0): taken quantized, they dequantize to the rows / columns of the dequantized weight."""
+    quantize = {"int4": quant.quantize_int4, "int8": quant.quantize_int8, "int8_blocks": quant.quantize_int8_blocks}
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray([5, 0, 9, 2])
+    head = quantize[form](jnp.asarray(rng.normal(size=(64, 12)), jnp.float32), (0,))  # [D, V]
+    np.testing.assert_array_equal(
+        np.asarray(quant.take_columns(head, ids).dequantize()), np.asarray(head.dequantize())[:, ids].T
+    )
+    embed = quantize[form](jnp.asarray(rng.normal(size=(12, 64)), jnp.float32), (1,))  # [V, D]
+    rows = np.asarray(embed.dequantize())[ids]
+    np.testing.assert_array_equal(np.asarray(quant.take_quantized_rows(embed, ids).dequantize()), rows)
+    np.testing.assert_array_equal(np.asarray(quant.take_rows(embed, ids)), rows)
