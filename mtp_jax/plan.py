@@ -129,7 +129,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     platform = next(iter(rules.mesh.devices.flat)).platform
     layout = args.layer_layout
     if layout == "auto":
-        layout = preferred_layout(platform, quantized=args.weights in ("int8", "fp8"))
+        layout = preferred_layout(platform, quantized=args.weights in ("int8", "int4", "fp8"))
     model = planning.abstract_model(cfg, dtype, rules, args.weights, layout)
     k = work.num_draft if cfg.has_mtp else 0
     work = dataclasses.replace(work, num_draft=k)
