@@ -46,10 +46,11 @@ def load(
     e.g. to train a new head on the bare trunk).
 
     `weights` (`mtp_jax.quant`): "auto" keeps the weights as the checkpoint ships them (fp8 with block scales stays
-    fp8, dequantized inside the jitted step; a GGUF's Q4_1 and Q8_0 blocks stay in them, as int4 and int8 with
-    float16 block scales; the rest in `dtype`); "bfloat16" dequantizes everything into `dtype`;
-    "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel scales; "fp8" keeps an fp8
-    checkpoint as shipped and stores every matmul weight of any other as fp8 with 128 x 128 block scales.
+    fp8, dequantized inside the jitted step; on a CPU with one device a GGUF's Q4_1 and Q8_0 blocks stay in them,
+    as int4 and int8 with float16 block scales, `keeps_gguf_blocks`; the rest in `dtype`); "bfloat16" dequantizes
+    everything into `dtype`; "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel
+    scales; "int4" as 4-bit blocks (`quant.quantize_int4`); "fp8" keeps an fp8 checkpoint as shipped and stores
+    every matmul weight of any other as fp8 with 128 x 128 block scales.
     """
     path = None if path is None else local_path(path)
     model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh, weights=weights)
@@ -60,11 +61,20 @@ def load(
     return quantize_model(model, weights), tokenizer
 
 
+def keeps_gguf_blocks(weights: str, rules: ShardingRules | None) -> bool:
+    """Whether `weights` keeps a GGUF's Q4_1 / Q8_0 blocks here: under "auto" where the CPU row kernel reads them as
+    stored (a CPU, one device). Elsewhere XLA would unpack them into full-size arrays before each dot (on TPU: 14x
+    the stored bytes moved, docs/benchmarks.md), so they are dequantized on load as before."""
+    one_device = rules is None or rules.mesh.devices.size == 1
+    return weights == "auto" and jax.default_backend() == "cpu" and one_device
+
+
 def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):
     rules = rules_for(mesh)
     dtype = jnp.dtype(dtype or default_dtype())
+    keep_blocks = keeps_gguf_blocks(weights, rules)
     if path is None:
-        return load_default(dtype, rules, keep_blocks=weights == "auto")
+        return load_default(dtype, rules, keep_blocks=keep_blocks)
     if os.path.isdir(path) and is_converted(path):
         from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
 
@@ -74,7 +84,7 @@ def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):
         return restore_converted(path, dtype, rules), tokenizer
     source = open_source(path)
     cfg = config_of(source)
-    params = read_params(source, cfg, dtype, rules, keep_fp8=weights in ("auto", "fp8"), keep_blocks=weights == "auto")
+    params = read_params(source, cfg, dtype, rules, keep_fp8=weights in ("auto", "fp8"), keep_blocks=keep_blocks)
     return assemble(cfg, nest(params), dtype, rules), source.load_tokenizer()
 
 

@@ -180,3 +180,11 @@ def test_draft_vocabulary_rows_and_columns_of_a_quantized_head(form):
     rows = np.asarray(embed.dequantize())[ids]
     np.testing.assert_array_equal(np.asarray(quant.take_quantized_rows(embed, ids).dequantize()), rows)
     np.testing.assert_array_equal(np.asarray(quant.take_rows(embed, ids)), rows)
+
+
+def test_gguf_blocks_are_kept_only_where_the_cpu_kernel_reads_them(monkeypatch):
+    """Elsewhere XLA unpacks 4-bit values into a full-size array before each dot: dequantized on load instead."""
+    assert mtp_jax.checkpoint.keeps_gguf_blocks("auto", None)
+    assert not mtp_jax.checkpoint.keeps_gguf_blocks("bfloat16", None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert not mtp_jax.checkpoint.keeps_gguf_blocks("auto", None)
