@@ -18,12 +18,13 @@ from flax import nnx
 
 from mtp_jax.cache import GroupCache, attention_cache, write_slots
 from mtp_jax.config import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
-from mtp_jax.models import loops
+from mtp_jax.models import cpu_rows, loops
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import LayerSlots
 from mtp_jax.models.hybrid_stack import GroupStack
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.rowwise import project
+from mtp_jax.models.stacked_weights import layer_parameters, split_stack
 from mtp_jax.quant import is_quantized, take_columns, take_quantized_rows, take_rows
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain, param_layouts
 
@@ -72,8 +73,9 @@ class LayerStack(nnx.Module):
             x, new = loops.each_layer(run, x, list(self.layers))
         else:
             graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
-            step = lambda x, inputs: run(nnx.merge(graphdef, inputs[0]), x, inputs[1])
-            x, new = loops.scan(step, x, (stacked, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
+            whole, sliced = split_stack(stacked) if cpu_rows.reads_now() else (None, stacked)
+            step = lambda x, inputs: run(nnx.merge(graphdef, layer_parameters(whole, *inputs)), x, inputs[1])
+            x, new = loops.scan(step, x, (sliced, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
         # One scatter per cache array after the stack: slot (row, position) of every layer gets this block's entry.
         updated = [write_slots(old, entry, positions) for old, entry in zip(past, new, strict=True)]
         return x, jax.tree.unflatten(jax.tree.structure(cache), updated).constrained()

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.models import matmul_layout
+from mtp_jax.models.stacked_weights import StackedWeight, layer_value
 from mtp_jax.quant import QuantizedArray, quantized_einsum
 from mtp_jax.sharding import active_platform, one_device_active
 
@@ -131,17 +132,27 @@ def _status_once() -> str:
     return "ready"
 
 
+def reads_now() -> bool:
+    """Whether products traced now may run here: on a CPU, one device, the kernel built (built on first call)."""
+    return active_platform() == "cpu" and one_device_active() and status() == "ready"
+
+
 def takes(equation: str, x: jax.Array, weight, invariant: bool) -> bool:
     """Whether x's product with `weight` under `equation` runs here: on a CPU, one device, a float32 / bfloat16 /
     int8 weight, or a quantized one whose scales (float32 or float16) and mins cut the contracting axes into
     contiguous blocks (4-bit values packed or not; read as [G, N, K]: blocks of whole vectors), and (unless
-    `invariant`) at most ROWS_MAX rows; builds the kernel on first call."""
+    `invariant`) at most ROWS_MAX rows; a StackedWeight only where its stack is read in place. Builds the kernel on
+    first call."""
     if active_platform() != "cpu" or not one_device_active():
         return False
-    if not jnp.issubdtype(x.dtype, jnp.floating) or not _kernel_weight(weight):
+    stacked = isinstance(weight, StackedWeight)
+    layer_weight = weight.layer_shapes() if stacked else weight  # shapes and dtypes
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not _kernel_weight(layer_weight):
         return False
-    lay = matmul_layout.layout(equation, x.shape, weight.shape)
-    if isinstance(weight, QuantizedArray) and not _kernel_blocks(lay, weight):
+    lay = matmul_layout.layout(equation, x.shape, layer_weight.shape)
+    if isinstance(layer_weight, QuantizedArray) and not _kernel_blocks(lay, layer_weight):
+        return False
+    if stacked and not matmul_layout.reads_in_place(lay):
         return False
     if not invariant and lay.gmkn[1] > ROWS_MAX:
         return False
@@ -168,30 +179,46 @@ def _kernel_blocks(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum(equation: str, x: jax.Array, weight) -> jax.Array:
     """jnp.einsum(equation, x, weight) in float32 by the kernel (call only where `takes` said yes); a quantized
-    weight is read as stored and its per-channel scales multiply the sums. Differentiable: the gradients are those
-    of XLA's product (training a head through frozen trunk projections)."""
-    lay = matmul_layout.layout(equation, x.shape, weight.shape)
+    weight is read as stored and its per-channel scales multiply the sums; a StackedWeight's layer is read in place
+    from its stack. Differentiable: the gradients are those of XLA's product (training a head through frozen trunk
+    projections)."""
+    stacked = isinstance(weight, StackedWeight)
+    layer_weight = weight.layer_shapes() if stacked else weight
+    lay = matmul_layout.layout(equation, x.shape, layer_weight.shape)
     g, m, _, n = lay.gmkn
-    mins, packed = jnp.zeros((0,), jnp.float32), False
-    if isinstance(weight, QuantizedArray):
-        values, packed = weight.values, weight.packed
-        scales = matmul_layout.scales(lay, weight, columns_first=lay.transposed)  # [G, KB, N] or [G, N, KB]
-        if weight.mins is not None:
-            mins = matmul_layout.scales(lay, weight, weight.mins, columns_first=lay.transposed)
+    operands = functools.partial(_weight_operands, lay)
+    if stacked:  # each [L, G, ...] -> [L * G, ...]: the layer's matrices start at layer * G
+        values, scales, mins = (a.reshape(-1, *a.shape[2:]) for a in jax.vmap(operands)(weight.stack))
+        first = (weight.layer * g).astype(jnp.int32)
     else:
-        scales, values = jnp.ones((g, n, 1) if lay.transposed else (g, 1, n), jnp.float32), weight
+        (values, scales, mins), first = operands(weight), jnp.zeros((), jnp.int32)
     rows = matmul_layout.activations(lay, x)  # [G, M, K]
     if rows.dtype != jnp.bfloat16:  # the kernel widens bfloat16 itself: a widening here could fuse into its
         rows = rows.astype(jnp.float32)  # producer, which may then skip its rounding to bfloat16 in one program only
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32), vmap_method="sequential")
-    values = matmul_layout.weight(lay, values, packed)  # [G, K, N] or [G, N, K], as stored
+    packed = isinstance(layer_weight, QuantizedArray) and layer_weight.packed
     attrs = dict(transposed=np.int64(lay.transposed), packed=np.int64(packed))
-    product = call(rows, values, scales, mins.astype(scales.dtype), **attrs)  # [G, M, N]
+    product = call(rows, values, scales, mins.astype(scales.dtype), first, **attrs)  # [G, M, N]
     return matmul_layout.output(lay, product)
+
+
+def _weight_operands(lay: matmul_layout.Layout, weight) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's weight as the kernel reads it: values [G, K, N] or [G, N, K] (as stored), scales [G, KB, N] or
+    [G, N, KB], mins as the scales or empty."""
+    g, _, _, n = lay.gmkn
+    if not isinstance(weight, QuantizedArray):
+        ones = jnp.ones((g, n, 1) if lay.transposed else (g, 1, n), jnp.float32)
+        return matmul_layout.weight(lay, weight), ones, jnp.zeros((0,), jnp.float32)
+    scales = matmul_layout.scales(lay, weight, columns_first=lay.transposed)
+    mins = jnp.zeros((0,), jnp.float32)
+    if weight.mins is not None:
+        mins = matmul_layout.scales(lay, weight, weight.mins, columns_first=lay.transposed)
+    return matmul_layout.weight(lay, weight.values, weight.packed), scales, mins
 
 
 def xla_einsum(equation: str, x: jax.Array, weight) -> jax.Array:
     """The same product by XLA, float32 out (its gradients are the kernel's)."""
+    weight = layer_value(weight)
     if isinstance(weight, QuantizedArray):
         return quantized_einsum(equation, x, weight)
     return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32)

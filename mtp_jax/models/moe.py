@@ -33,6 +33,7 @@ from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers import SwiGLU, init_weight
 from mtp_jax.models.rowwise import project, row_sum
+from mtp_jax.models.stacked_weights import layer_value
 from mtp_jax.quant import QuantizedArray, dense
 
 EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # [E, D, F], [E, D, F], [E, F, D]
@@ -191,7 +192,9 @@ class MoE(nnx.Module):
         """Routed outputs [B, T, D] of x [B, T, D] (routing weights, expert ids [B, T, O]): each (token, pick) row
         goes through its own expert only; where the rules split the expert weights, on the shards holding it.
         `invariant`: the batch-invariant form (`routed_experts`)."""
-        params = tuple(getattr(self, name).get_value() for name in EXPERT_WEIGHTS)  # quantized ones as stored
+        params = tuple(
+            layer_value(getattr(self, name).get_value()) for name in EXPERT_WEIGHTS
+        )  # quantized ones as stored
         rules = sharding.active_rules()
         plan = None if rules is None else _expert_parallel(rules, params, x.shape)
         if plan is None:

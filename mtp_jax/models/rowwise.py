@@ -28,21 +28,28 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.models import cpu_rows, fixed_tiles
+from mtp_jax.models import cpu_rows, fixed_tiles, matmul_layout
+from mtp_jax.models.stacked_weights import StackedWeight, layer_value
 from mtp_jax.quant import QuantizedArray, quantized_einsum
 from mtp_jax.sharding import active_platform, one_device_active
+
+DEQUANTIZED_ROWS = 64  # a pass of more rows multiplies by a quantized weight dequantized first
 
 
 def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out_dtype=None) -> jax.Array:
     """jnp.einsum(equation, x, weight) with float32 results rounded to `out_dtype` (default: x's dtype); a weight
     stored quantized goes in as stored (`quant.quantized_einsum`: pass the parameter's value, not `param[...]`,
-    which dequantizes). x's axes that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows;
-    "...D,DV->...V": every leading axis; "EMF,EFD->EMD": M rows for each E). A batch of matmuls
-    (an axis of x and the weight that the output keeps, e.g. latent attention's per-head absorption) keeps x's
-    dtype out, as plain einsum does: XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
+    which dequantizes), or dequantized first in a pass of many rows (`_dequantized_first`); a StackedWeight (a layer
+    of a stack, models/stacked_weights.py) is read in place by the CPU kernel, taken out of its stack elsewhere.
+    x's axes that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows; "...D,DV->...V": every
+    leading axis; "EMF,EFD->EMD": M rows for each E). A batch of matmuls (an axis of x and the weight that the output
+    keeps, e.g. latent attention's per-head absorption) keeps x's dtype out, as plain einsum does: XLA:CPU has no
+    bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if fixed_tiles.in_use():  # a quantized weight read as stored
-        return fixed_tiles.einsum(equation, x, weight).astype(out_dtype)
+        return fixed_tiles.einsum(equation, x, layer_value(weight)).astype(out_dtype)
+    if isinstance(weight, StackedWeight) and not cpu_rows.takes(equation, x, weight, fixed_tiles.tracing_invariant()):
+        weight = weight.take()  # a layer's weight read in place by the kernel only
     xla = functools.partial(_xla_project, equation, out_dtype=out_dtype)
     if cpu_rows.takes(equation, x, weight, fixed_tiles.tracing_invariant()):  # a program lowered for a CPU only:
         native = lambda x, w: cpu_rows.einsum(equation, x, w).astype(out_dtype)  # one traced without a mesh may
@@ -51,11 +58,25 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
 
 
 def _xla_project(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
-    if isinstance(weight, QuantizedArray):  # the stored values in the matmul, the scales on its partial products
-        return quantized_einsum(equation, x, weight).astype(out_dtype)
+    weight = layer_value(weight)
+    if isinstance(weight, QuantizedArray) and not _dequantized_first(equation, x, weight):
+        return quantized_einsum(equation, x, weight).astype(out_dtype)  # the stored values in the matmul
+    if isinstance(weight, QuantizedArray):
+        weight = weight.dequantize()
     if _batched(equation) and out_dtype == x.dtype:
         return jnp.einsum(equation, x, weight)
     return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _dequantized_first(equation: str, x: jax.Array, weight: QuantizedArray) -> bool:
+    """Whether a product by a quantized weight dequantizes the weight first (in the model's dtype, one layer's
+    weight at a time) and multiplies by it: passes of more than DEQUANTIZED_ROWS rows (prefills), where the product
+    is compute-bound and one partial product per block of 32 contracting elements ran at a fraction of a GEMM's
+    speed (a batch of 8 prompts took 30 s to prefill with the default model's 4-bit layers on a 2-core CPU). Never
+    while a batch-invariant decode is traced: a prompt's rows would take another path alone than in a batch."""
+    if fixed_tiles.tracing_invariant():
+        return False
+    return matmul_layout.layout(equation, x.shape, weight.shape).gmkn[1] > DEQUANTIZED_ROWS
 
 
 def lone_rows_exact() -> bool:

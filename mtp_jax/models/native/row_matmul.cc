@@ -8,6 +8,8 @@
 //           K / KB consecutive contracting elements (KB = 1: int8's per-output-channel scales; ones otherwise)
 //   mins    the same shape and type as scales, or empty: added per block, times the block's sum of x (4-bit blocks
 //           as llama.cpp's Q4_1 stores them: w = value * scale + min)
+//   first   int32 scalar: w, scales and mins hold S >= first + G matrices, of which first .. first + G - 1 are read
+//           (a layer's weight read in place from a stack of layers; 0 for a single weight)
 //   out     [G, M, N] float32
 //
 // With KB = 1 and no mins, out[g, m, n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 (for
@@ -617,10 +619,9 @@ ffi::Error run(ffi::ThreadPool pool, const X* x, Weights<W> w, const Blocks& q, 
 }
 
 template <typename X>
-ffi::Error with_weights(ffi::ThreadPool pool, const X* x, ffi::AnyBuffer w, bool packed, const Blocks& q, float* out,
-                        int64_t G, int64_t M, int64_t K, int64_t N, bool transposed) {
-  const void* data = w.untyped_data();
-  switch (w.element_type()) {
+ffi::Error with_weights(ffi::ThreadPool pool, const X* x, ffi::DataType type, const void* data, bool packed,
+                        const Blocks& q, float* out, int64_t G, int64_t M, int64_t K, int64_t N, bool transposed) {
+  switch (type) {
     case ffi::F32:
       return run(pool, x, Weights<float>{static_cast<const float*>(data)}, q, out, G, M, K, N, transposed);
     case ffi::BF16:
@@ -637,7 +638,8 @@ ffi::Error with_weights(ffi::ThreadPool pool, const X* x, ffi::AnyBuffer w, bool
 }
 
 ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
-                     ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> out, int64_t transposed, int64_t packed) {
+                     ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> first_matrix, ffi::ResultBuffer<ffi::F32> out,
+                     int64_t transposed, int64_t packed) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scales.dimensions();
@@ -647,10 +649,12 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   const int64_t last = packed ? 2 * wd[2] : wd[2];  // values along the weight's last axis
   const int64_t N = transposed ? wd[1] : last;
   const int64_t KB = transposed ? sd[2] : sd[1];
-  if (wd[0] != G || (transposed ? last : wd[1]) != K)
-    return ffi::Error::InvalidArgument("row_matmul: x and w do not share G and K");
-  if (sd[0] != G || (transposed ? sd[1] : sd[2]) != N || KB < 1 || K % KB != 0)
-    return ffi::Error::InvalidArgument("row_matmul: scales are not [G, KB, N] ([G, N, KB] transposed) for KB | K");
+  if (first_matrix.element_count() != 1) return ffi::Error::InvalidArgument("row_matmul: first must be a scalar");
+  const int64_t first = first_matrix.typed_data()[0];
+  if (first < 0 || first + G > wd[0] || (transposed ? last : wd[1]) != K)
+    return ffi::Error::InvalidArgument("row_matmul: x and w do not share K, or w has no matrices first .. first + G");
+  if (sd[0] != wd[0] || (transposed ? sd[1] : sd[2]) != N || KB < 1 || K % KB != 0)
+    return ffi::Error::InvalidArgument("row_matmul: scales are not [S, KB, N] ([S, N, KB] transposed) for KB | K");
   const bool half = scales.element_type() == ffi::F16;
   if (!half && scales.element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("row_matmul: scales must be float32 or float16");
@@ -663,15 +667,19 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   if ((blocked && w.element_type() != ffi::S8 && !packed) || (packed && !blocked))
     return ffi::Error::InvalidArgument("row_matmul: blocks, float16 scales or mins need int8 or 4-bit weights, "
                                        "and 4-bit weights need them");
-  const Blocks q{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB};
+  const Blocks stack{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB};
+  const Blocks q = stack.at_matrix(first, N);
+  const int64_t matrix_bytes = K * N * static_cast<int64_t>(ffi::ByteWidth(w.element_type())) / (packed ? 2 : 1);
+  const char* weights = static_cast<const char*>(w.untyped_data()) + first * matrix_bytes;
   float* op = out->typed_data();
+  const ffi::DataType type = w.element_type();
   switch (x.element_type()) {
     case ffi::F32:
-      return with_weights(pool, static_cast<const float*>(x.untyped_data()), w, packed != 0, q, op, G, M, K, N,
-                          transposed != 0);
+      return with_weights(pool, static_cast<const float*>(x.untyped_data()), type, weights, packed != 0, q, op, G, M,
+                          K, N, transposed != 0);
     case ffi::BF16:
-      return with_weights(pool, static_cast<const uint16_t*>(x.untyped_data()), w, packed != 0, q, op, G, M, K, N,
-                          transposed != 0);
+      return with_weights(pool, static_cast<const uint16_t*>(x.untyped_data()), type, weights, packed != 0, q, op, G,
+                          M, K, N, transposed != 0);
     default:
       return ffi::Error::InvalidArgument("row_matmul: activations must be float32 or bfloat16");
   }
@@ -686,6 +694,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpJaxRowMatmul, RowMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("packed"));
