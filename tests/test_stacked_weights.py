@@ -77,15 +77,16 @@ def test_its_gradients_are_those_of_the_layers_own_product():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
-def _int4_model():
-    model = mtp_jax.CausalLM(shapes.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(5))
+def _int4_model(family="llama-with-mtp-head"):
+    model = mtp_jax.CausalLM(shapes.tiny_family_shape(family), dtype=jnp.float32, rngs=nnx.Rngs(5))
     return quant.quantize_model(model, "int4")
 
 
-def test_a_scan_over_stacked_layers_copies_no_weight_out_of_its_stack():
+@pytest.mark.parametrize("family", ["llama-with-mtp-head", "qwen3_5"])  # a scan over layers; over hybrid groups
+def test_a_scan_over_stacked_layers_copies_no_weight_out_of_its_stack(family):
     """The compiled decode of a 4-bit model slices no layer's packed weight out of its stack (with the slices handed
     to the layers, as before, it did: the check can fail)."""
-    model = _int4_model()
+    model = _int4_model(family)
     ids, lens = jnp.ones((1, 4), jnp.int32), jnp.asarray([4], jnp.int32)
     cfg = mtp_jax.DecodeConfig(num_draft=1, max_new_tokens=4)
     hlo = compile_generate(model, ids, lens, jax.random.key(0), cfg).as_text()

@@ -17,11 +17,12 @@ from flax import nnx
 
 from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
 from mtp_jax.config import LayerKind, ModelConfig
-from mtp_jax.models import loops
+from mtp_jax.models import cpu_rows, loops
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import LayerSlots, checked_attention
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
 from mtp_jax.models.layers import DecoderLayer, model_norm
+from mtp_jax.models.stacked_weights import layer_parameters, split_stack
 from mtp_jax.sharding import HIDDEN, constrain
 
 RECURRENT_FORMS = ("chunked", "every_state", "last_state")
@@ -138,8 +139,9 @@ class GroupStack(nnx.Module):
             split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
             graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
             merged = lambda params: tuple(nnx.merge(g, p) for g, p in zip(graphdefs, params, strict=True))
-            step = lambda x, inputs: run(merged(inputs[0]), x, inputs[1], inputs[2])
-            x, new = loops.scan(step, x, (stacked, states, jnp.arange(self.repeats)))
+            whole, sliced = split_stack(stacked) if cpu_rows.reads_now() else (None, stacked)
+            step = lambda x, inputs: run(merged(layer_parameters(whole, inputs[0], inputs[2])), x, *inputs[1:])
+            x, new = loops.scan(step, x, (sliced, states, jnp.arange(self.repeats)))
         # new: DeltaNet states [R, B, ...]; attention entries [R, B, T, K, H]
         members = []
         for kind, old, entry in zip(self.kinds, past, new, strict=True):
