@@ -3,8 +3,6 @@ weights dequantized first in passes of many rows (rowwise._dequantized_first).""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,21 +92,22 @@ def test_a_scan_over_stacked_layers_copies_no_weight_out_of_its_stack(family):
 
 @pytest.mark.parametrize("form", ["int8", "int4"])
 def test_a_pass_of_many_rows_multiplies_by_the_dequantized_weight(form):
-    """A prefill's product: near the exact one; traced for batch-invariant decoding it keeps the stored values in
-    the matmul (a prompt's rows then take one path alone and batched)."""
+    """A prefill's product: near the exact one; traced for batch-invariant decoding, with few rows, or for a batch
+    of expert matrices, it keeps the stored values in the matmul."""
     rng = np.random.default_rng(2)
     weight = QUANTIZE[form](jnp.asarray(rng.normal(size=(128, 96)) / 8, jnp.float32), (0,))
     x = jnp.asarray(rng.normal(size=(DEQUANTIZED_ROWS + 1, 128)), jnp.float32)
     exact = x @ weight.dequantize()
     np.testing.assert_allclose(np.asarray(project("MD,DF->MF", x, weight)), np.asarray(exact), rtol=1e-5, atol=1e-5)
 
-    def largest_multiplication(fn) -> int:
-        jaxpr = jax.make_jaxpr(fn)(x)
-        return max(
-            (math.prod(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul"), default=0
-        )
+    def dequantizes(fn, *args, shape=weight.shape) -> bool:  # a multiplication shaped as the whole weight
+        jaxpr = jax.make_jaxpr(fn)(*args)
+        return any(tuple(e.outvars[0].aval.shape) == shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul")
 
-    assert largest_multiplication(lambda x: project("MD,DF->MF", x, weight)) == 128 * 96  # dequantized first
+    assert dequantizes(lambda x: project("MD,DF->MF", x, weight), x)
     with fixed_tiles.invariant_products(True):
-        assert largest_multiplication(lambda x: project("MD,DF->MF", x, weight)) < 128 * 96
-    assert largest_multiplication(lambda x: project("MD,DF->MF", x[:DEQUANTIZED_ROWS], weight)) < 128 * 96
+        assert not dequantizes(lambda x: project("MD,DF->MF", x, weight), x)
+    assert not dequantizes(lambda x: project("MD,DF->MF", x, weight), x[:DEQUANTIZED_ROWS])
+    experts = QUANTIZE[form](jnp.asarray(rng.normal(size=(2, 128, 96)) / 8, jnp.float32), (1,))
+    rows = jnp.broadcast_to(x, (2, *x.shape))
+    assert not dequantizes(lambda x: project("EMD,EDF->EMF", x, experts), rows, shape=experts.shape)

@@ -192,9 +192,8 @@ class MoE(nnx.Module):
         """Routed outputs [B, T, D] of x [B, T, D] (routing weights, expert ids [B, T, O]): each (token, pick) row
         goes through its own expert only; where the rules split the expert weights, on the shards holding it.
         `invariant`: the batch-invariant form (`routed_experts`)."""
-        params = tuple(
-            layer_value(getattr(self, name).get_value()) for name in EXPERT_WEIGHTS
-        )  # quantized ones as stored
+        # quantized weights as stored
+        params = tuple(layer_value(getattr(self, name).get_value()) for name in EXPERT_WEIGHTS)
         rules = sharding.active_rules()
         plan = None if rules is None else _expert_parallel(rules, params, x.shape)
         if plan is None:

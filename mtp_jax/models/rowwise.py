@@ -72,11 +72,14 @@ def _dequantized_first(equation: str, x: jax.Array, weight: QuantizedArray) -> b
     """Whether a product by a quantized weight dequantizes the weight first (in the model's dtype, one layer's
     weight at a time) and multiplies by it: passes of more than DEQUANTIZED_ROWS rows (prefills), where the product
     is compute-bound and one partial product per block of 32 contracting elements ran at a fraction of a GEMM's
-    speed (a batch of 8 prompts took 30 s to prefill with the default model's 4-bit layers on a 2-core CPU). Never
-    while a batch-invariant decode is traced: a prompt's rows would take another path alone than in a batch."""
+    speed (the bench's 8 prompts: a prefill of 7.0 s with the default model's 4-bit layers on a 2-core CPU, 1.3 s
+    dequantized first). Never while a batch-invariant decode is traced: a prompt's rows would take another path
+    alone than in a batch. Nor for a batch of matrices (routed experts, "EMF,EFD->EMD"): a layer's every expert
+    dequantized at once could be gigabytes."""
     if fixed_tiles.tracing_invariant():
         return False
-    return matmul_layout.layout(equation, x.shape, weight.shape).gmkn[1] > DEQUANTIZED_ROWS
+    g, m, _, _ = matmul_layout.layout(equation, x.shape, weight.shape).gmkn
+    return g == 1 and m > DEQUANTIZED_ROWS
 
 
 def lone_rows_exact() -> bool:

@@ -2,11 +2,11 @@
 
 A layer scan hands each layer its parameters sliced out of the stacked ones ([L, ...] -> [...]). Before a custom
 call (the CPU row kernel of models/cpu_rows.py) XLA cannot pass a slice at a traced offset as a view: it copies the
-layer's weights out of the stack, every layer of every step. For the default model in 4-bit weights that copy was a
-fifth of a decode step. Where the kernel will read the weights, a scan instead keeps the matmul weights whole
-(loop-invariant operands) and hands its layers a `StackedWeight`: the stack and the layer's index. `rowwise.project`
-gives both to the kernel, which starts its read at that layer; every other reader takes the layer's slice (`take`),
-the same values the scan would have sliced.
+layer's weights out of the stack, every layer of every step (eight 4096 x 4096 4-bit layers, one row: 7.0 ms
+sliced, 5.3 ms read in place; docs/benchmarks.md). Where the kernel will read the weights, a scan instead keeps
+the matmul weights whole (loop-invariant operands) and hands its layers a `StackedWeight`: the stack and the
+layer's index. `rowwise.project` gives both to the kernel, which starts its read at that layer; every other reader
+takes the layer's slice (`take`), the same values the scan would have sliced.
 """
 
 from __future__ import annotations
