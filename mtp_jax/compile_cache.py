@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 from mtp_jax.default_model import cache_dir
 
@@ -22,8 +23,9 @@ OFF_ENV = "MTP_JAX_NO_COMPILE_CACHE"
 HIT_EVENT, MISS_EVENT = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 MAX_BYTES = 4 << 30  # least recently used programs go past this
 
-_counts = {HIT_EVENT: 0, MISS_EVENT: 0}  # seen in this process (the listener adds to them)
+_counts = {HIT_EVENT: 0, MISS_EVENT: 0}  # seen in this process (the listener and `count` add to them)
 _listening = [False]
+_active: list[str] = []  # the folder in use while `active` is on
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
@@ -71,9 +73,11 @@ def active(off: bool = False) -> Iterator[str | None]:
     if not _listening[0]:
         jax.monitoring.register_event_listener(_on_event)
         _listening[0] = True
+    _active.append(path)
     try:
         yield path
     finally:
+        _active.pop()
         for name, value in before.items():
             jax.config.update(name, value)
 
@@ -81,6 +85,31 @@ def active(off: bool = False) -> Iterator[str | None]:
 def _on_event(event: str, **kwargs) -> None:
     if event in _counts:
         _counts[event] += 1
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """JAX's persistent cache neither read nor written while the block runs. (JAX decides whether it uses the cache
+    once, at the first compile after a reset: the setting alone would not take.)"""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        jax_compilation_cache.reset_cache()
+
+
+def active_folder() -> str | None:
+    """The cache folder while `active` is on (and not off), else None."""
+    return _active[-1] if _active else None
+
+
+def count(hit: bool) -> None:
+    """A program looked for in a cache of ours (`executable_cache`), and read or compiled: counted as JAX's own
+    lookups are."""
+    _counts[HIT_EVENT if hit else MISS_EVENT] += 1
 
 
 def lookups() -> tuple[int, int]:

@@ -326,7 +326,11 @@ def quantize_int8_blocks(weight: jax.Array, contracting: Sequence[int]) -> Quant
 
 # How a GGUF's block formats are held when weights are kept as the checkpoint ships them ("auto"): by the quantizer
 # that finds the file's own blocks again from the weights they dequantize to (gguf_source.block_format names them).
-SHIPPED_BLOCKS = {"Q4_1": quantize_int4, "Q8_0": quantize_int8_blocks}
+# Jitted: one program a shape (op by op, a conversion compiled some 180 small programs).
+SHIPPED_BLOCKS = {
+    "Q4_1": jax.jit(quantize_int4, static_argnums=1),
+    "Q8_0": jax.jit(quantize_int8_blocks, static_argnums=1),
+}
 
 
 def matmul_axes(path: Sequence[str], axes: Sequence[str | None]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

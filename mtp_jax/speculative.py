@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from mtp_jax import executable_cache
 from mtp_jax.adaptive import choose_round, drafting_can_pay, estimated_round_costs, step_param_bytes
 from mtp_jax.cache import cache_slots, long_cache_shards
 from mtp_jax.config import DecodeConfig
@@ -223,11 +224,15 @@ def generate_chunks(
 def compile_chunks(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> CompiledChunks:
     """Ahead-of-time compile `generate_chunks`' two programs (the prefill, a piece of rounds) for these shapes."""
     (graphdef, params, *inputs), static = _chunk_arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-    lowered = _start_chunks.lower(graphdef, params, *inputs, **static)
-    start = lowered.compile()
-    placed = lambda shape, where: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where)
-    state, sampling = jax.tree.map(placed, lowered.out_info, start.output_shardings)  # the prefill's outputs
-    run = _run_chunk.lower(graphdef, params, state, jnp.int32(0), sampling, **static).compile()
+
+    def compile_both():
+        lowered = _start_chunks.lower(graphdef, params, *inputs, **static)
+        start = lowered.compile()
+        placed = lambda shape, where: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=where)
+        state, sampling = jax.tree.map(placed, lowered.out_info, start.output_shardings)  # the prefill's outputs
+        return start, _run_chunk.lower(graphdef, params, state, jnp.int32(0), sampling, **static).compile()
+
+    start, run = executable_cache.programs("chunks", (graphdef, params, *inputs, static), compile_both)
     return CompiledChunks(start, run, static["cfg"].max_new_tokens)
 
 
@@ -273,7 +278,9 @@ def _pieces(start, run, params, inputs, max_new_tokens: int, chunk_tokens: int) 
 def compile_generate(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> CompiledGenerate:
     """Ahead-of-time compile `generate` for these shapes: returns a function of the same arguments."""
     args, static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
-    return CompiledGenerate(_generate.lower(*args, **static).compile())
+    compile_one = lambda: (_generate.lower(*args, **static).compile(),)
+    (program,) = executable_cache.programs("generate", (*args, static), compile_one)
+    return CompiledGenerate(program)
 
 
 class CompiledGenerate:

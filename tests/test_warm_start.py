@@ -58,6 +58,20 @@ def test_second_run_reads_both_caches_and_gives_the_same_tokens(cache):
     assert again == out and json.loads(out)["num_tokens"] == 8
 
 
+def test_whole_programs_are_kept_compiled_afresh(cache):
+    """The decode loop is kept whole (`executable_cache`), so a warm run skips tracing too. With it gone and JAX's
+    own cache still holding the loop, the run compiles it afresh: an executable JAX read from its cache, kept
+    again, failed in the next process ("Function ... not found")."""
+    executables = cache["folder"] / "executables"
+    assert [p.name.startswith("generate-") for p in executables.iterdir()] == [True]
+    for path in executables.iterdir():
+        path.unlink()
+    out, _, stats = decode(cache["env"], cache["folder"], "rebuilt")
+    assert not stats["compile_from_cache"] and len(os.listdir(executables)) == 1 and out == cache["first"][0]
+    out, _, stats = decode(cache["env"], cache["folder"], "read")
+    assert stats["compile_from_cache"] and out == cache["first"][0]
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_compile_cache_off(cache, how):
     xla = cache["folder"] / "xla"
