@@ -6,7 +6,7 @@ compile costs). This cache finds the executable by what the trace depends on and
 (`jax.experimental.serialize_executable`), so that a hit is a file read and a load.
 
 The key covers: the program's name; each argument's tree, shapes, dtypes and shardings; the static arguments'
-reprs (the model's graph definition holds its config and layout); the package's source (every .py and .cc file);
+reprs (the model's graph definition holds its config and layout); the package's source (every .py, .cc and .h file);
 the Python, JAX and jaxlib versions; the backend's devices; every JAX setting; the `MTP_JAX_*` and `XLA_FLAGS`
 environment; the CPU row kernel's status. A static value whose repr names an address only ever misses.
 
@@ -108,7 +108,7 @@ def _environment() -> str:
 @functools.cache
 def _source_digest() -> str:
     digest = hashlib.sha256()
-    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc")):
+    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".cc", ".h")):
         digest.update(str(path.relative_to(PACKAGE)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -1,4 +1,5 @@
-"""The CPU's products of a few rows by a weight: a C++ kernel (native/row_matmul.cc) called through `jax.ffi`.
+"""The CPU's products of a few rows by a weight: a C++ kernel (native/row_kernels.h, bound in native/row_matmul.cc)
+called through `jax.ffi`.
 
 A decode step on a CPU is a read of every weight, a few activation rows at a time. XLA:CPU runs a one-row product
 with a matrix-vector kernel, two or more rows with a GEMM that packs the weight on every call (at 4 rows twice the
@@ -19,6 +20,7 @@ rows otherwise (decode steps and verify blocks; a long prefill keeps XLA's GEMM,
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -40,12 +42,14 @@ from mtp_jax.models.stacked_weights import StackedWeight, layer_value
 from mtp_jax.quant import QuantizedArray, quantized_einsum
 from mtp_jax.sharding import active_platform, one_device_active
 
-SOURCE = Path(__file__).with_name("native") / "row_matmul.cc"
+NATIVE = Path(__file__).with_name("native")
+BINDING, UNIT, KERNELS = NATIVE / "row_matmul.cc", NATIVE / "row_columns.cc", NATIVE / "row_kernels.h"
+UNIT_TYPES = [(x, w) for x in ("float", "uint16_t") for w in ("float", "uint16_t", "int8_t", "U4")]  # row_columns.cc's
 TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fPIC")
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of this many contracting elements a block
 _LOCK = threading.Lock()
@@ -68,25 +72,45 @@ def _cpu_flags() -> str:
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), version, jax.__version__, " ".join(FLAGS), _cpu_flags()]).encode()
+        "\n".join(
+            [
+                *(p.read_text() for p in (BINDING, UNIT, KERNELS)),
+                version,
+                jax.__version__,
+                " ".join(FLAGS),
+                _cpu_flags(),
+            ]
+        ).encode()
     ).hexdigest()[:16]
     return build_dir() / f"row_matmul-{key}.so"
 
 
 def _build(compiler: str, path: Path) -> None:
-    """Compile SOURCE into `path` (written beside it, then renamed: concurrent builders do not collide)."""
+    """Compile the kernel into `path` (written beside it, then renamed: concurrent builders do not collide): the
+    binding and one unit per activation and weight type, as many at once as this machine has cores, then linked."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob("building-*.so"):  # left by a killed build (not one still running: 10 minutes)
+    for stale in path.parent.glob("building-*"):  # left by a killed build (not one still running: 10 minutes)
         if time.time() - stale.stat().st_mtime > 600:
-            stale.unlink(missing_ok=True)
-    fd, scratch = tempfile.mkstemp(prefix="building-", suffix=".so", dir=path.parent)
-    os.close(fd)
-    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", scratch]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="building-", dir=path.parent) as scratch:
+        units = [[f"-I{jax.ffi.include_dir()}", str(BINDING)]]
+        units += [[f"-DROW_X={x}", f"-DROW_W={w}", str(UNIT)] for x, w in UNIT_TYPES]
+        objects = [os.path.join(scratch, f"unit{i}.o") for i in range(len(units))]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            jobs = [[compiler, *FLAGS, "-c", *unit, "-o", out] for unit, out in zip(units, objects, strict=True)]
+            for done in pool.map(
+                lambda command: subprocess.run(command, capture_output=True, text=True, timeout=600), jobs
+            ):
+                _check(compiler, done)
+        library = os.path.join(scratch, "row_matmul.so")
+        _check(compiler, subprocess.run([compiler, "-shared", *objects, "-o", library], capture_output=True,
+                                        text=True, timeout=600))  # fmt: skip
+        os.replace(library, path)
+
+
+def _check(compiler: str, done: subprocess.CompletedProcess) -> None:
     if done.returncode != 0:
-        os.unlink(scratch)
         raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else '?'}")
-    os.replace(scratch, path)
 
 
 def status() -> str:

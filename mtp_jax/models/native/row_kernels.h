@@ -1,0 +1,576 @@
+// The row kernel's products (row_matmul.cc binds them to XLA; row_columns.cc instantiates them, one build unit per
+// activation and weight type, so that a build runs on every core).
+//
+// With KB = 1 and no mins, out[g, m, n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 (for
+// `transposed`: 16 chains over the residues of k mod 16, then added in a fixed tree), then times the scale. With
+// blocks, each block's products are such a chain, and the blocks' chains times their scales (and the mins times the
+// blocks' sums of x) are added in block order. Rows are taken up to eight at a time so that a weight tile is read
+// once for them, but every row's chain is the same instructions on the same values: a row's result does not depend
+// on M, on where the row sits, or on how columns are split across threads.
+//
+// Decode is a read of every weight once per step: a weight is streamed once per group of eight rows, as stored (one
+// byte per int8 value, half a byte per 4-bit value), and converted to float32 in registers.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace rows {
+
+constexpr int kLanes = 16;           // floats per vector
+constexpr int kSums = 8192;          // sums of one block (rows x columns) kept in L1
+template <int R>
+constexpr int kBlock = kSums / R / 32 * 32;  // columns per block (whole pairs of vectors)
+constexpr int kRowsPerPass = 8;      // rows sharing a weight tile
+constexpr int kPrefetchRows = 8;    // weight rows read ahead of the sums (the rows of a block lie N apart)
+constexpr int kTransposedColumns = 8;  // weight rows per pass when transposed, up to 2 rows (fewer above)
+
+struct U4 {};  // the element type of a packed 4-bit weight (two values to a byte)
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float half_to_float(uint16_t h) {  // IEEE float16 -> float32, exact
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float f = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exponent == 31 ? 0x7F800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// a * b + c with one rounding, spelled out: left to -ffp-contract, one instantiation of a loop was contracted
+// differently from another, and a row's bits then depended on how many rows shared its pass.
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+template <typename W>
+inline Vec load(const W* p) {  // 16 consecutive values as float32 (exact for each type)
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+
+#if defined(__AVX512F__)
+template <>
+inline Vec load(const float* p) { return (Vec)_mm512_loadu_ps(p); }
+template <>
+inline Vec load(const uint16_t* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <>
+inline Vec load(const int8_t* p) {
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__)
+inline Vec join(__m256 lo, __m256 hi) {
+  Vec v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+template <>
+inline Vec load(const uint16_t* p) {
+  auto half = [](const uint16_t* q) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  };
+  return join(half(p), half(p + 8));
+}
+template <>
+inline Vec load(const int8_t* p) {
+  auto half = [](const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  };
+  return join(half(p), half(p + 8));
+}
+#endif
+
+template <typename W>
+inline Vec load_partial(const W* p, int count) {  // lanes past `count` are zero
+  Vec v = {};
+  for (int i = 0; i < count; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+
+inline Vec load_nibbles(const uint8_t* p) {  // 16 consecutive 4-bit values from 8 bytes (even index: low nibble)
+#if defined(__AVX2__) || defined(__AVX512F__)
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // 8 x uint16
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi16(0x000F));
+  const __m128i high = _mm_and_si128(_mm_slli_epi16(bytes, 4), _mm_set1_epi16(0x0F00));
+  const __m128i nibbles = _mm_or_si128(low, high);  // 16 bytes, one value each, in order
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
+#else
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)),
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nibbles, 8))));
+#endif
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>((p[i / 2] >> (4 * (i % 2))) & 15);
+  return v;
+#endif
+}
+
+inline Vec load_halves(const uint16_t* p) {  // 16 consecutive float16 values as float32
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX2__)
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+#else
+  Vec v;
+  for (int i = 0; i < kLanes; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+
+// Element i of a weight stored as W (a flat index into its [K, N] or [N, K] matrix).
+template <typename W>
+struct Weights {
+  const W* data;
+  Vec load(int64_t i) const { return rows::load(data + i); }
+  Vec load_partial(int64_t i, int count) const { return rows::load_partial(data + i, count); }
+  const void* address(int64_t i) const { return data + i; }
+  static constexpr int kVectorBytes = sizeof(W) * kLanes;
+};
+
+template <>
+struct Weights<U4> {  // i even wherever a vector starts: N (or K when transposed) is even, vectors start at 16 k
+  const uint8_t* data;
+  Vec load(int64_t i) const { return load_nibbles(data + i / 2); }
+  Vec load_partial(int64_t i, int count) const {
+    Vec v = {};
+    for (int c = 0; c < count; ++c) v[c] = static_cast<float>((data[(i + c) / 2] >> (4 * ((i + c) % 2))) & 15);
+    return v;
+  }
+  const void* address(int64_t i) const { return data + i / 2; }
+  static constexpr int kVectorBytes = kLanes / 2;
+};
+
+// Per-block scales and mins: [KB, N], or [N, KB] when transposed; float32 or float16; mins may be absent.
+struct Blocks {
+  const void* scales;
+  const void* mins;  // nullptr: none
+  bool half;
+  int64_t KB;
+  float value(const void* p, int64_t i) const {
+    if (!half) return static_cast<const float*>(p)[i];
+#if defined(__F16C__)
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+#else
+    return half_to_float(static_cast<const uint16_t*>(p)[i]);
+#endif
+  }
+  Vec vector(const void* p, int64_t i, int count) const {  // count <= 16 consecutive values, lanes past it zero
+    if (count == kLanes)
+      return half ? load_halves(static_cast<const uint16_t*>(p) + i) : rows::load(static_cast<const float*>(p) + i);
+    Vec v = {};
+    for (int c = 0; c < count; ++c) v[c] = value(p, i + c);
+    return v;
+  }
+  Blocks at_matrix(int64_t g, int64_t N) const {  // the blocks of matrix g
+    const int64_t offset = g * KB * N * (half ? 2 : 4);
+    return {static_cast<const char*>(scales) + offset, mins ? static_cast<const char*>(mins) + offset : nullptr, half,
+            KB};
+  }
+};
+
+// 32 consecutive packed 4-bit values from 16 bytes, split into the even-indexed ones and the odd-indexed ones.
+inline void load_nibble_pairs(const uint8_t* p, Vec& even, Vec& odd) {
+#if defined(__AVX512F__)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  even = (Vec)_mm512_permutexvar_ps(bytes, levels);  // a lane's bits 0..3 pick the level: the low nibble
+  odd = (Vec)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), levels);
+#elif defined(__AVX2__)
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i first = _mm256_cvtepu8_epi32(packed), second = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));
+  const __m256i mask = _mm256_set1_epi32(15);
+  even = join(_mm256_cvtepi32_ps(_mm256_and_si256(first, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(second, mask)));
+  odd = join(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)));
+#else
+  for (int i = 0; i < kLanes; ++i) {
+    even[i] = static_cast<float>(p[i] & 15);
+    odd[i] = static_cast<float>(p[i] >> 4);
+  }
+#endif
+}
+
+// count <= 32 consecutive per-block values (scales or mins) from i, split into even- and odd-indexed lanes.
+inline void block_pairs(const Blocks& q, const void* p, int64_t i, int count, Vec& even, Vec& odd) {
+#if defined(__AVX512F__)
+  if (count == 2 * kLanes) {
+    const __m512 first = (__m512)q.vector(p, i, kLanes), second = (__m512)q.vector(p, i + kLanes, kLanes);
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    even = (Vec)_mm512_permutex2var_ps(first, evens, second);
+    odd = (Vec)_mm512_permutex2var_ps(first, _mm512_add_epi32(evens, _mm512_set1_epi32(1)), second);
+    return;
+  }
+#endif
+  even = Vec{};
+  odd = Vec{};
+  for (int c = 0; c < count; ++c) (c % 2 ? odd : even)[c / 2] = q.value(p, i + c);
+}
+
+// blocked_column_block for packed 4-bit weights, streamed row by row as column_block streams its weights: 32
+// columns at a time (16 bytes of a weight row), kept as their even and odd columns' sums ([2 p] and [2 p + 1] for
+// the p-th 32 columns). A block's sums (`part`, in L1 beside `acc`) are folded into `acc` at the block's end.
+template <int R>
+constexpr int kPackedBlock = kBlock<R> / 2;  // columns per block: acc and part share L1
+
+template <int R, typename X>
+void packed_column_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int width, const Blocks& q,
+                         const float* sums, float* out) {
+  const int pairs = (width + 2 * kLanes - 1) / (2 * kLanes);
+  const int tail = width - (pairs - 1) * 2 * kLanes;  // columns in the last pair
+  const int64_t Kb = K / q.KB, row_bytes = N / 2;
+  alignas(64) Vec acc[R][kPackedBlock<R> / kLanes] = {};
+  alignas(64) Vec part[R][kPackedBlock<R> / kLanes];
+  const uint8_t* first = w + n0 / 2;
+  auto weights = [&](int64_t k, int p, Vec& even, Vec& odd) {
+    if (p + 1 < pairs || tail == 2 * kLanes) return load_nibble_pairs(first + k * row_bytes + p * kLanes, even, odd);
+    alignas(16) uint8_t bytes[kLanes] = {};
+    std::memcpy(bytes, first + k * row_bytes + p * kLanes, (tail + 1) / 2);
+    load_nibble_pairs(bytes, even, odd);
+  };
+  for (int64_t b = 0; b < q.KB; ++b) {
+    const int64_t k0 = b * Kb, k1 = k0 + Kb;
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2 * pairs; ++j) part[r][j] = Vec{};
+    int64_t k = k0;
+    for (; k + 2 <= k1; k += 2) {
+      const bool fetch = k + kPrefetchRows + 2 <= K;
+      for (int p = 0; p < pairs; ++p) {
+        if (fetch && p % 4 == 0)  // a cache line holds four pairs' bytes
+          for (int i = 0; i < 2; ++i) __builtin_prefetch(first + (k + kPrefetchRows + i) * row_bytes + p * kLanes);
+        Vec e0, o0, e1, o1;
+        weights(k, p, e0, o0);
+        weights(k + 1, p, e1, o1);
+        for (int r = 0; r < R; ++r) {
+          const Vec x0 = Vec{} + to_float(x[r * K + k]), x1 = Vec{} + to_float(x[r * K + k + 1]);
+          part[r][2 * p] = fma(x1, e1, fma(x0, e0, part[r][2 * p]));
+          part[r][2 * p + 1] = fma(x1, o1, fma(x0, o0, part[r][2 * p + 1]));
+        }
+      }
+    }
+    for (; k < k1; ++k)
+      for (int p = 0; p < pairs; ++p) {
+        Vec e0, o0;
+        weights(k, p, e0, o0);
+        for (int r = 0; r < R; ++r) {
+          const Vec x0 = Vec{} + to_float(x[r * K + k]);
+          part[r][2 * p] = fma(x0, e0, part[r][2 * p]);
+          part[r][2 * p + 1] = fma(x0, o0, part[r][2 * p + 1]);
+        }
+      }
+    for (int p = 0; p < pairs; ++p) {
+      const int64_t column = n0 + p * 2 * kLanes;
+      const int count = p + 1 < pairs ? 2 * kLanes : tail;
+      Vec even_scale, odd_scale;
+      block_pairs(q, q.scales, b * N + column, count, even_scale, odd_scale);
+      for (int r = 0; r < R; ++r) {
+        acc[r][2 * p] = fma(part[r][2 * p], even_scale, acc[r][2 * p]);
+        acc[r][2 * p + 1] = fma(part[r][2 * p + 1], odd_scale, acc[r][2 * p + 1]);
+      }
+      if (q.mins) {
+        Vec even_min, odd_min;
+        block_pairs(q, q.mins, b * N + column, count, even_min, odd_min);
+        for (int r = 0; r < R; ++r) {
+          const Vec sum = Vec{} + sums[r * q.KB + b];
+          acc[r][2 * p] = fma(sum, even_min, acc[r][2 * p]);
+          acc[r][2 * p + 1] = fma(sum, odd_min, acc[r][2 * p + 1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / (2 * kLanes) * 2 + c % 2][c % (2 * kLanes) / 2];
+}
+
+// Columns [n0, n0 + width) of R rows (x: the first row, its stride K) by w [K, N], width <= kBlock. The weight is
+// streamed row by row (width contiguous values each), the sums kept in L1; four weight rows are added per pass over
+// the sums, each element's chain still k = 0, 1, 2, ... in order.
+template <int R, typename X, typename W>
+void column_block(const X* x, int64_t K, Weights<W> w, int64_t N, int64_t n0, int width, const float* scales,
+                  float* out) {
+  const int vectors = (width + kLanes - 1) / kLanes;
+  const int tail = width - (vectors - 1) * kLanes;  // values in the last vector
+  alignas(64) Vec acc[R][kBlock<R> / kLanes] = {};
+  auto weights = [&](int64_t k, int j) {
+    const int64_t i = k * N + n0 + j * kLanes;
+    return j + 1 < vectors || tail == kLanes ? w.load(i) : w.load_partial(i, tail);
+  };
+  constexpr int kVectorsPerLine = Weights<W>::kVectorBytes >= 64 ? 1 : 64 / Weights<W>::kVectorBytes;
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const bool fetch = k + kPrefetchRows + 4 <= K;
+    for (int j = 0; j < vectors; ++j) {
+      if (fetch && j % kVectorsPerLine == 0)  // the rows kPrefetchRows ahead: runs of `width` values, N apart
+        for (int i = 0; i < 4; ++i) __builtin_prefetch(w.address((k + kPrefetchRows + i) * N + n0 + j * kLanes));
+      Vec w0 = weights(k, j), w1 = weights(k + 1, j), w2 = weights(k + 2, j), w3 = weights(k + 3, j);
+      for (int r = 0; r < R; ++r) {
+        const X* xr = x + r * K + k;
+        Vec a = acc[r][j];
+        a = fma(Vec{} + to_float(xr[0]), w0, a);
+        a = fma(Vec{} + to_float(xr[1]), w1, a);
+        a = fma(Vec{} + to_float(xr[2]), w2, a);
+        a = fma(Vec{} + to_float(xr[3]), w3, a);
+        acc[r][j] = a;
+      }
+    }
+  }
+  for (; k < K; ++k)
+    for (int j = 0; j < vectors; ++j) {
+      Vec wk = weights(k, j);
+      for (int r = 0; r < R; ++r) acc[r][j] = fma(Vec{} + to_float(x[r * K + k]), wk, acc[r][j]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / kLanes][c % kLanes] * scales[n0 + c];
+}
+
+// column_block with KB blocks of Kb = K / KB weight rows: per 16 columns, a block's products are summed in a chain
+// of their own (in registers), then times the block's scales, plus its mins times the block's sums of x (`sums`
+// [R, KB]), added to the column's running sum. The next block's rows are fetched ahead, a cache line at a time.
+template <int R, typename X, typename W>
+void blocked_column_block(const X* x, int64_t K, Weights<W> w, int64_t N, int64_t n0, int width, const Blocks& q,
+                          const float* sums, float* out) {
+  const int vectors = (width + kLanes - 1) / kLanes;
+  const int tail = width - (vectors - 1) * kLanes;
+  const int64_t Kb = K / q.KB;
+  alignas(64) Vec acc[R][kBlock<R> / kLanes] = {};
+  constexpr int kVectorsPerLine = Weights<W>::kVectorBytes >= 64 ? 1 : 64 / Weights<W>::kVectorBytes;
+  for (int64_t b = 0; b < q.KB; ++b) {
+    const int64_t k0 = b * Kb, k1 = k0 + Kb;
+    for (int j = 0; j < vectors; ++j) {
+      const int64_t column = n0 + j * kLanes;
+      const int count = j + 1 < vectors ? kLanes : tail;
+      auto weights = [&](int64_t k) {
+        return count == kLanes ? w.load(k * N + column) : w.load_partial(k * N + column, count);
+      };
+      if (k1 < K && j % kVectorsPerLine == 0)
+        for (int64_t k = k1; k < k1 + Kb; ++k) __builtin_prefetch(w.address(k * N + column));
+      Vec part[R] = {};
+      int64_t k = k0;
+      for (; k + 4 <= k1; k += 4) {
+        Vec w0 = weights(k), w1 = weights(k + 1), w2 = weights(k + 2), w3 = weights(k + 3);
+        for (int r = 0; r < R; ++r) {
+          const X* xr = x + r * K + k;
+          Vec a = part[r];
+          a = fma(Vec{} + to_float(xr[0]), w0, a);
+          a = fma(Vec{} + to_float(xr[1]), w1, a);
+          a = fma(Vec{} + to_float(xr[2]), w2, a);
+          a = fma(Vec{} + to_float(xr[3]), w3, a);
+          part[r] = a;
+        }
+      }
+      for (; k < k1; ++k) {
+        Vec wk = weights(k);
+        for (int r = 0; r < R; ++r) part[r] = fma(Vec{} + to_float(x[r * K + k]), wk, part[r]);
+      }
+      const Vec scale = q.vector(q.scales, b * N + column, count);
+      for (int r = 0; r < R; ++r) acc[r][j] = fma(part[r], scale, acc[r][j]);
+      if (q.mins) {
+        const Vec min = q.vector(q.mins, b * N + column, count);
+        for (int r = 0; r < R; ++r) acc[r][j] = fma(Vec{} + sums[r * q.KB + b], min, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / kLanes][c % kLanes];
+}
+
+typedef int32_t Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline float tree_sum(Vec v) {  // lanes added pairwise in a fixed tree: i + 8, then i + 4, i + 2, i + 1
+  v = v + __builtin_shuffle(v, Lanes{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
+  v = v + __builtin_shuffle(v, Lanes{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
+  v = v + __builtin_shuffle(v, Lanes{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
+  v = v + __builtin_shuffle(v, Lanes{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+  return v[0];
+}
+
+// Weight rows [n0, n0 + C) of w [N, K] against R rows of x: out[r, n] = sum_k x[r, k] w[n, k].
+template <int R, int C, typename X, typename W>
+void row_block(const X* x, int64_t K, Weights<W> w, int64_t N, int64_t n0, const float* scales, float* out) {
+  Vec acc[R][C] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = w.load((n0 + c) * K + k);
+    for (int r = 0; r < R; ++r) {
+      Vec xv = load(x + r * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  if (k < K) {
+    int count = static_cast<int>(K - k);
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = w.load_partial((n0 + c) * K + k, count);
+    for (int r = 0; r < R; ++r) {
+      Vec xv = load_partial(x + r * K + k, count);
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * N + n0 + c] = tree_sum(acc[r][c]) * scales[n0 + c];
+}
+
+// row_block with KB blocks of Kb = K / KB (a multiple of 16) contracting elements: each block's 16 lane chains
+// times the block's scale are added to running lane sums, added in the fixed tree at the end; the mins times the
+// blocks' sums of x (`sums` [R, KB]) form a chain of their own, added last.
+template <int R, int C, typename X, typename W>
+void blocked_row_block(const X* x, int64_t K, Weights<W> w, int64_t N, int64_t n0, const Blocks& q,
+                       const float* sums, float* out) {
+  const int64_t Kb = K / q.KB;
+  Vec acc[R][C] = {};
+  float shift[R][C] = {};
+  for (int64_t b = 0; b < q.KB; ++b) {
+    Vec part[R][C] = {};
+    for (int64_t k = b * Kb; k < (b + 1) * Kb; k += kLanes) {
+      Vec wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = w.load((n0 + c) * K + k);
+      for (int r = 0; r < R; ++r) {
+        Vec xv = load(x + r * K + k);
+        for (int c = 0; c < C; ++c) part[r][c] = fma(xv, wv[c], part[r][c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const Vec scale = Vec{} + q.value(q.scales, (n0 + c) * q.KB + b);
+      for (int r = 0; r < R; ++r) acc[r][c] = fma(part[r][c], scale, acc[r][c]);
+    }
+    if (q.mins)
+      for (int c = 0; c < C; ++c) {
+        const float min = q.value(q.mins, (n0 + c) * q.KB + b);
+        for (int r = 0; r < R; ++r) shift[r][c] = __builtin_fmaf(sums[r * q.KB + b], min, shift[r][c]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * N + n0 + c] = tree_sum(acc[r][c]) + shift[r][c];
+}
+
+template <int R, typename X, typename W>
+void rows_by_block(const X* x, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0, int64_t n1,
+                   const float* scales, float* out) {
+  if (!transposed) {
+    for (int64_t n = n0; n < n1; n += kBlock<R>)
+      column_block<R>(x, K, w, N, n, static_cast<int>(std::min<int64_t>(kBlock<R>, n1 - n)), scales, out);
+    return;
+  }
+  // R * C sums and C weight vectors in registers
+  constexpr int C = R <= 2 ? kTransposedColumns : R <= 4 ? kTransposedColumns / 2 : kTransposedColumns / 4;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) row_block<R, C>(x, K, w, N, n, scales, out);
+  for (; n < n1; ++n) row_block<R, 1>(x, K, w, N, n, scales, out);
+}
+
+template <int R, typename X, typename W>
+void blocked_rows_by_block(const X* x, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0, int64_t n1,
+                           const Blocks& q, const float* sums, float* out) {
+  if (!transposed) {
+    constexpr int64_t block = std::is_same_v<W, U4> ? kPackedBlock<R> : kBlock<R>;
+    for (int64_t n = n0; n < n1; n += block) {
+      const int width = static_cast<int>(std::min<int64_t>(block, n1 - n));
+      if constexpr (std::is_same_v<W, U4>)
+        packed_column_block<R>(x, K, w.data, N, n, width, q, sums, out);
+      else
+        blocked_column_block<R>(x, K, w, N, n, width, q, sums, out);
+    }
+    return;
+  }
+  // 2 * R * C sums and C weight vectors in registers
+  constexpr int C = R == 1 ? kTransposedColumns : R == 2 ? kTransposedColumns / 2 : R <= 4 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) blocked_row_block<R, C>(x, K, w, N, n, q, sums, out);
+  for (; n < n1; ++n) blocked_row_block<R, 1>(x, K, w, N, n, q, sums, out);
+}
+
+// body(rows, m) for each group of `rows` (a std::integral_constant, up to kRowsPerPass) rows starting at row m.
+template <typename Body>
+void by_row_groups(int64_t M, Body body) {
+  int64_t m = 0;
+  for (; m + kRowsPerPass <= M; m += kRowsPerPass) body(std::integral_constant<int, kRowsPerPass>{}, m);
+  switch (M - m) {
+    case 7: body(std::integral_constant<int, 7>{}, m); break;
+    case 6: body(std::integral_constant<int, 6>{}, m); break;
+    case 5: body(std::integral_constant<int, 5>{}, m); break;
+    case 4: body(std::integral_constant<int, 4>{}, m); break;
+    case 3: body(std::integral_constant<int, 3>{}, m); break;
+    case 2: body(std::integral_constant<int, 2>{}, m); break;
+    case 1: body(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+template <typename X, typename W>
+void blocked_columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0,
+                     int64_t n1, const Blocks& q, float* out);
+
+// Every row of one matrix (x [M, K], w, out [M, N]) for output columns [n0, n1).
+template <typename X, typename W>
+void columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0, int64_t n1,
+             const Blocks& q, float* out) {
+  if constexpr (!std::is_same_v<W, U4>) {  // 4-bit values always come with blocks and mins (RowMatmul checks)
+    if (q.KB == 1 && !q.mins && !q.half) {  // one float32 scale per column, applied to each finished sum
+      const float* scales = static_cast<const float*>(q.scales);
+      by_row_groups(M, [&](auto rows, int64_t m) {
+        rows_by_block<decltype(rows)::value>(x + m * K, K, w, N, transposed, n0, n1, scales, out + m * N);
+      });
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, U4>)  // blocks: int8 and 4-bit weights only
+    blocked_columns(x, M, K, w, N, transposed, n0, n1, q, out);
+}
+
+template <typename X, typename W>
+void blocked_columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0,
+                     int64_t n1, const Blocks& q, float* out) {
+  const int64_t Kb = K / q.KB;
+  std::vector<float> sums(q.mins ? M * q.KB : 0);  // [M, KB]: each row's sum of x over each block, k in order
+  for (int64_t i = 0; i < static_cast<int64_t>(sums.size()); ++i) {
+    const X* xr = x + (i / q.KB) * K + (i % q.KB) * Kb;
+    float sum = 0.0f;
+    for (int64_t k = 0; k < Kb; ++k) sum += to_float(xr[k]);
+    sums[i] = sum;
+  }
+  by_row_groups(M, [&](auto rows, int64_t m) {
+    blocked_rows_by_block<decltype(rows)::value>(x + m * K, K, w, N, transposed, n0, n1, q,
+                                                 sums.data() + m * q.KB, out + m * N);
+  });
+}
+
+
+// columns<X, W>'s declaration, for its explicit instantiations (row_columns.cc, a build unit per pair) and the
+// binding's `extern template`s (row_matmul.cc): X float or uint16_t (bfloat16); W float, uint16_t, int8_t or U4.
+#define ROWS_COLUMNS(X, W) \
+  void columns<X, W>(const X*, int64_t, int64_t, Weights<W>, int64_t, bool, int64_t, int64_t, const Blocks&, float*)
+
+}  // namespace rows
