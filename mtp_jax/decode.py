@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output JSONL (default: stdout; text, a block per prompt, on a terminal)")
     parser.add_argument("--resume", action="store_true", help="keep the rows an earlier run with the same settings "
                         "finished (in --out's partial file, or in --out) and decode only the rest")  # fmt: skip
-    parser.add_argument("--num-draft", type=non_negative_int, help="drafts per round (default 3 with a head)")
+    parser.add_argument(
+        "--num-draft", type=non_negative_int, help="drafts per round (default with a head: 1 on a CPU, 3 elsewhere)"
+    )
     parser.add_argument("--no-mtp", action="store_true", help="plain decoding through the same loop (k = 0)")
     parser.add_argument("--adaptive", action="store_true", help="each round drafts 0..K tokens (K = --num-draft), "
                         "chosen on device from running acceptance and --round-costs")  # fmt: skip
@@ -126,6 +128,14 @@ def float_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+# Drafts per round when --num-draft is not given, by platform. On a CPU a verify pass of k + 1 rows costs more than a
+# plain step in proportion to its rows (the row kernel is partly compute-bound: the default model's projections take
+# 9.0, 10.6 and 14.1 ms for 1, 2 and 4 rows), so a second and third draft cost more than they bring with heads of
+# the shipped one's acceptance (docs/benchmarks.md, "Warm start, second pass"); on accelerators the pass is a read
+# of the weights whatever its few rows.
+DEFAULT_DRAFTS = {"cpu": 1, "other": 3}
+
+
 def choose_num_draft(args, has_mtp: bool) -> int:
     if args.no_mtp:
         return 0
@@ -136,7 +146,7 @@ def choose_num_draft(args, has_mtp: bool) -> int:
     if not has_mtp:
         print("note: this model has no MTP head; decoding without drafts (k = 0)", file=sys.stderr)
         return 0
-    return 3
+    return DEFAULT_DRAFTS.get(jax.default_backend(), DEFAULT_DRAFTS["other"])
 
 
 def check_output_path(path: str, option: str) -> None:

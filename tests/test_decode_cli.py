@@ -6,10 +6,12 @@ import io
 import json
 import sys
 
+import jax
 import pytest
 from flax import nnx
 
 import mtp_jax
+from mtp_jax import decode as decode_cli
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
 from mtp_jax.decode import terminal_text
@@ -55,7 +57,8 @@ def decode(capsys, *args) -> tuple[int, str, str]:
 def test_jsonl_output_stats_and_mtp_equals_plain(checkpoints, capsys, tmp_path):
     common = ["--model", checkpoints / "with_head", "--prompts-file", checkpoints / "prompts.jsonl"]
     common += ["--max-new-tokens", 12, "--batch-size", 2, "--dtype", "float32"]
-    code, _, err = decode(capsys, *common, "--out", tmp_path / "mtp.jsonl", "--stats-json", tmp_path / "s.json")
+    code, _, err = decode(capsys, *common, "--num-draft", 3, "--out", tmp_path / "mtp.jsonl",
+                          "--stats-json", tmp_path / "s.json")  # fmt: skip
     assert code == 0, err
     assert "mean accepted length" in err
     code, _, err = decode(capsys, *common, "--no-mtp", "--out", tmp_path / "plain.jsonl")
@@ -77,6 +80,19 @@ def test_jsonl_output_stats_and_mtp_equals_plain(checkpoints, capsys, tmp_path):
     assert stats["num_draft"] == 3 and len(stats["acceptance_per_position"]) == 3
     assert stats["generated_tokens"] == sum(r["num_tokens"] for r in mtp_rows)
     assert 1.0 <= stats["mean_accepted_length"] <= 4.0
+
+
+def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monkeypatch):
+    """Without --num-draft a model with a head drafts one token a round on a CPU (where a verify pass costs more with
+    every row), three elsewhere; a model without one none."""
+    stats = tmp_path / "s.json"
+    common = ["--prompts-file", checkpoints / "prompts.jsonl", "--max-new-tokens", 4, "--stats-json", stats]
+    assert decode(capsys, "--model", checkpoints / "with_head", *common)[0] == 0
+    assert jax.default_backend() != "cpu" or json.loads(stats.read_text())["num_draft"] == 1
+    args = decode_cli.build_parser().parse_args(["--prompt", "x"])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert decode_cli.choose_num_draft(args, has_mtp=True) == 3
+    assert decode_cli.choose_num_draft(args, has_mtp=False) == 0
 
 
 def test_model_without_head_decodes_plainly_with_a_note(checkpoints, capsys):
