@@ -354,6 +354,8 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     cpu_rows.prepare()  # a first run builds the CPU's row kernel while the model loads
     model, tokenizer, prompts, decode_cfg, batch_size = load_for_decoding(args, records)
     load_seconds = time.perf_counter() - start
+    if lead and model.sharding_rules is None:
+        note_without_kernel()
     if not prompts[done:]:
         return None
     sampling = row_sampling(decode_cfg, args.seed, [overrides for _, overrides in records])
@@ -364,6 +366,16 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     write = (lambda results: output.write([r.row() for r in results])) if lead else (lambda results: None)
     summary = decode_batches(model, tokenizer, prompts[done:], decode_cfg, batch_size, sampling, write, progress=lead)
     return {"load_seconds": load_seconds, **summary}
+
+
+def note_without_kernel() -> None:
+    """One line when a run on one CPU device goes without the row kernel, which it could not build or load (not when
+    $MTP_JAX_NATIVE=0 turned it off): decoding still works, its products on XLA several times slower."""
+    if jax.default_backend() != "cpu" or os.environ.get(cpu_rows.DISABLE_ENV) == "0":
+        return
+    status = cpu_rows.status()
+    if status != "ready":
+        print(f"mtp_jax: the CPU row kernel is {status}; products run on XLA, several times slower", file=sys.stderr)
 
 
 def load_for_decoding(args, records) -> tuple:

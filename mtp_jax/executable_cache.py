@@ -124,7 +124,10 @@ def _read(path: str) -> tuple | None:
     except Exception:  # cut short, or written by a build this one cannot load: compiled again
         _remove(path)
         return None
-    os.utime(path)
+    try:
+        os.utime(path)  # recently used: pruned last
+    except OSError:  # removed meanwhile by another process's pruning
+        pass
     return loaded
 
 

@@ -15,6 +15,7 @@ from mtp_jax import decode as decode_cli
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
 from mtp_jax.decode import terminal_text
+from mtp_jax.models import cpu_rows
 from tests.tiny_models import tiny_config
 
 STATS_FIELDS = {
@@ -93,6 +94,25 @@ def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monke
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert decode_cli.choose_num_draft(args, has_mtp=True) == 3
     assert decode_cli.choose_num_draft(args, has_mtp=False) == 0
+
+
+def test_a_missing_row_kernel_is_said_once(checkpoints, capsys, monkeypatch):
+    """A CPU run whose row kernel could not be built says so in one line (it decodes on XLA); one the user turned
+    off with MTP_JAX_NATIVE=0 does not."""
+    monkeypatch.setattr(cpu_rows, "status", lambda: "off (no C++ compiler 'g++')")
+    args = [
+        "--model",
+        checkpoints / "with_head",
+        "--prompts-file",
+        checkpoints / "prompts.jsonl",
+        "--max-new-tokens",
+        2,
+    ]
+    code, _, err = decode(capsys, *args)
+    assert code == 0 and err.count("the CPU row kernel is off (no C++ compiler 'g++')") == 1, err
+    monkeypatch.setenv(cpu_rows.DISABLE_ENV, "0")
+    code, _, err = decode(capsys, *args)
+    assert code == 0 and "row kernel" not in err, err
 
 
 def test_model_without_head_decodes_plainly_with_a_note(checkpoints, capsys):
