@@ -8,7 +8,8 @@ compile costs). This cache finds the executable by what the trace depends on and
 The key covers: the program's name; each argument's tree, shapes, dtypes and shardings; the static arguments'
 reprs (the model's graph definition holds its config and layout); the package's source (every .py, .cc and .h file);
 the Python, JAX and jaxlib versions; the backend's devices; every JAX setting; the `MTP_JAX_*` and `XLA_FLAGS`
-environment; the CPU row kernel's status. A static value whose repr names an address only ever misses.
+environment; the CPU row kernel's status; the tracing contexts this package sets (active sharding rules, fixed
+tiles, unrolled loops). A static value whose repr names an address only ever misses.
 
 It is used while `compile_cache.active` is on (the command-line tools), in a single process, for programs whose
 arguments all sit on one device; everything else compiles as before. A file that cannot be read back is removed
@@ -31,9 +32,9 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
-from mtp_jax import compile_cache
+from mtp_jax import compile_cache, sharding
 from mtp_jax.default_model import cache_dir
-from mtp_jax.models import cpu_rows
+from mtp_jax.models import cpu_rows, fixed_tiles, loops
 
 MAX_FILES = 64
 PARTIAL = ".partial-"  # a file being written
@@ -102,7 +103,8 @@ def _environment() -> str:
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     kernel = cpu_rows.status() if jax.default_backend() == "cpu" else ""  # also registers the kernel's target
     versions = (sys.version, jax.__version__, importlib.metadata.version("jaxlib"))
-    return repr((_source_digest(), versions, devices, settings, env, kernel))
+    tracing = (sharding.active_rules(), fixed_tiles.in_use(), fixed_tiles.tracing_invariant(), loops.unrolling())
+    return repr((_source_digest(), versions, devices, settings, env, kernel, tracing))
 
 
 @functools.cache
@@ -136,13 +138,16 @@ def _write(path: str, compiled: tuple) -> None:
         stored = pickle.dumps(tuple(serialize_executable.serialize(program) for program in compiled))
     except Exception:  # a program the backend cannot serialize (or that holds constants) is not kept
         return
+    partial = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), prefix=PARTIAL, delete=False) as f:
             partial = f.name
             f.write(stored)
         os.replace(partial, path)
-    except OSError:
+    except OSError:  # a full disk, a folder gone: the program is used, not kept
+        if partial is not None:
+            _remove(partial)
         return
     _prune(os.path.dirname(path))
 

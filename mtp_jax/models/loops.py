@@ -28,6 +28,11 @@ def unrolled() -> Iterator[None]:
         _UNROLL.reset(token)
 
 
+def unrolling() -> bool:
+    """Whether loops traced now are unrolled (inside `unrolled()`)."""
+    return _UNROLL.get()
+
+
 def scan(f, init, xs):
     """`jax.lax.scan(f, init, xs)`, unrolled under `unrolled()`."""
     return jax.lax.scan(f, init, xs, unroll=_UNROLL.get())
