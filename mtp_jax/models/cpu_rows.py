@@ -28,6 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -88,6 +89,9 @@ def _library_path(compiler: str) -> Path:
 def _build(compiler: str, path: Path) -> None:
     """Compile the kernel into `path` (written beside it, then renamed: concurrent builders do not collide): the
     binding and one unit per activation and weight type, as many at once as this machine has cores, then linked."""
+    cores = os.cpu_count() or 1
+    print(f"mtp_jax: building the CPU row kernel once into {path.parent} ({len(UNIT_TYPES) + 1} units on {cores} "
+          "cores)", file=sys.stderr)  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob("building-*"):  # left by a killed build (not one still running: 10 minutes)
         if time.time() - stale.stat().st_mtime > 600:
@@ -96,7 +100,7 @@ def _build(compiler: str, path: Path) -> None:
         units = [[f"-I{jax.ffi.include_dir()}", str(BINDING)]]
         units += [[f"-DROW_X={x}", f"-DROW_W={w}", str(UNIT)] for x, w in UNIT_TYPES]
         objects = [os.path.join(scratch, f"unit{i}.o") for i in range(len(units))]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=cores) as pool:
             jobs = [[compiler, *FLAGS, "-c", *unit, "-o", out] for unit, out in zip(units, objects, strict=True)]
             for done in pool.map(
                 lambda command: subprocess.run(command, capture_output=True, text=True, timeout=600), jobs
