@@ -45,7 +45,7 @@ from mtp_jax.sharding import active_platform, one_device_active
 
 NATIVE = Path(__file__).with_name("native")
 BINDING, UNIT, KERNELS = NATIVE / "row_matmul.cc", NATIVE / "row_columns.cc", NATIVE / "row_kernels.h"
-UNIT_TYPES = [(x, w) for x in ("float", "uint16_t") for w in ("float", "uint16_t", "int8_t", "U4")]  # row_columns.cc's
+UNIT_TYPES = [(x, w) for x in ("float", "uint16_t") for w in ("float", "uint16_t", "int8_t", "U4")]  # ROW_X, ROW_W
 TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
