@@ -315,6 +315,74 @@ void packed_column_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int
     for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / (2 * kLanes) * 2 + c % 2][c % (2 * kLanes) / 2];
 }
 
+// The sums of pairs p0 .. p0 + G - 1 over one block's rows k0 .. k1 - 1, in registers: each column's chain starts
+// at zero and adds k in order, as one row's `part` did when the block was streamed row by row, so the bits are those.
+// The block's scale and min are then folded into `acc` as before. The weight is read as a band of the group's bytes
+// down the block's rows (a cache line a row at four pairs); neighbouring groups find their bands in cache.
+template <int R, int G, typename X, typename Weights4>
+inline void packed_group(const X* x, int64_t K, Weights4 weights, const uint8_t* first, int64_t row_bytes, int64_t k0,
+                         int64_t k1, int p0, Vec (*acc)[kPackedBlock<R> / kLanes], const Blocks& q, int64_t b,
+                         int64_t N, int64_t n0, int pairs, int tail, const float* sums) {
+  Vec part[R][2 * G] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k + kPrefetchRows < K) __builtin_prefetch(first + (k + kPrefetchRows) * row_bytes + p0 * kLanes);
+    Vec even[G], odd[G];
+    for (int i = 0; i < G; ++i) weights(k, p0 + i, even[i], odd[i]);
+    for (int r = 0; r < R; ++r) {
+      const Vec xr = Vec{} + to_float(x[r * K + k]);
+      for (int i = 0; i < G; ++i) {
+        part[r][2 * i] = fma(xr, even[i], part[r][2 * i]);
+        part[r][2 * i + 1] = fma(xr, odd[i], part[r][2 * i + 1]);
+      }
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    const int p = p0 + i;
+    const int64_t column = n0 + p * 2 * kLanes;
+    const int count = p + 1 < pairs ? 2 * kLanes : tail;
+    Vec even_scale, odd_scale;
+    block_pairs(q, q.scales, b * N + column, count, even_scale, odd_scale);
+    for (int r = 0; r < R; ++r) {
+      acc[r][2 * p] = fma(part[r][2 * i], even_scale, acc[r][2 * p]);
+      acc[r][2 * p + 1] = fma(part[r][2 * i + 1], odd_scale, acc[r][2 * p + 1]);
+    }
+    if (q.mins) {
+      Vec even_min, odd_min;
+      block_pairs(q, q.mins, b * N + column, count, even_min, odd_min);
+      for (int r = 0; r < R; ++r) {
+        const Vec sum = Vec{} + sums[r * q.KB + b];
+        acc[r][2 * p] = fma(sum, even_min, acc[r][2 * p]);
+        acc[r][2 * p + 1] = fma(sum, odd_min, acc[r][2 * p + 1]);
+      }
+    }
+  }
+}
+
+// packed_column_block for three rows or more, where the multiply-adds (not the weight's bytes) set the pace: a
+// block's sums stay in registers a pair at a time (`packed_group`) instead of going through L1 at every row of the
+// weight. The same chains, so the same bits; with one or two rows the row-by-row stream is faster.
+template <int R, typename X>
+void packed_register_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int width,
+                           const Blocks& q, const float* sums, float* out) {
+  const int pairs = (width + 2 * kLanes - 1) / (2 * kLanes);
+  const int tail = width - (pairs - 1) * 2 * kLanes;  // columns in the last pair
+  const int64_t Kb = K / q.KB, row_bytes = N / 2;
+  alignas(64) Vec acc[R][kPackedBlock<R> / kLanes] = {};
+  const uint8_t* first = w + n0 / 2;
+  auto weights = [&](int64_t k, int p, Vec& even, Vec& odd) {
+    if (p + 1 < pairs || tail == 2 * kLanes) return load_nibble_pairs(first + k * row_bytes + p * kLanes, even, odd);
+    alignas(16) uint8_t bytes[kLanes] = {};
+    std::memcpy(bytes, first + k * row_bytes + p * kLanes, (tail + 1) / 2);
+    load_nibble_pairs(bytes, even, odd);
+  };
+  for (int64_t b = 0; b < q.KB; ++b)
+    for (int p = 0; p < pairs; ++p)
+      packed_group<R, 1>(x, K, weights, first, row_bytes, b * Kb, (b + 1) * Kb, p, acc, q, b, N, n0, pairs, tail,
+                         sums);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / (2 * kLanes) * 2 + c % 2][c % (2 * kLanes) / 2];
+}
+
 // Columns [n0, n0 + width) of R rows (x: the first row, its stride K) by w [K, N], width <= kBlock. The weight is
 // streamed row by row (width contiguous values each), the sums kept in L1; four weight rows are added per pass over
 // the sums, each element's chain still k = 0, 1, 2, ... in order.
@@ -498,7 +566,9 @@ void blocked_rows_by_block(const X* x, int64_t K, Weights<W> w, int64_t N, bool 
     constexpr int64_t block = std::is_same_v<W, U4> ? kPackedBlock<R> : kBlock<R>;
     for (int64_t n = n0; n < n1; n += block) {
       const int width = static_cast<int>(std::min<int64_t>(block, n1 - n));
-      if constexpr (std::is_same_v<W, U4>)
+      if constexpr (std::is_same_v<W, U4> && R >= 3)
+        packed_register_block<R>(x, K, w.data, N, n, width, q, sums, out);
+      else if constexpr (std::is_same_v<W, U4>)
         packed_column_block<R>(x, K, w.data, N, n, width, q, sums, out);
       else
         blocked_column_block<R>(x, K, w, N, n, width, q, sums, out);
