@@ -246,105 +246,36 @@ inline void block_pairs(const Blocks& q, const void* p, int64_t i, int count, Ve
 template <int R>
 constexpr int kPackedBlock = kBlock<R> / 2;  // columns per block: acc and part share L1
 
-template <int R, typename X>
-void packed_column_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int width, const Blocks& q,
-                         const float* sums, float* out) {
-  const int pairs = (width + 2 * kLanes - 1) / (2 * kLanes);
-  const int tail = width - (pairs - 1) * 2 * kLanes;  // columns in the last pair
-  const int64_t Kb = K / q.KB, row_bytes = N / 2;
-  alignas(64) Vec acc[R][kPackedBlock<R> / kLanes] = {};
-  alignas(64) Vec part[R][kPackedBlock<R> / kLanes];
-  const uint8_t* first = w + n0 / 2;
-  auto weights = [&](int64_t k, int p, Vec& even, Vec& odd) {
+// Columns [n0, n0 + width) of a packed weight [K, N]: their 32-column pairs' nibbles, each block's scales and mins
+// folded into the sums, and the sums written out.
+struct PackedColumns {
+  const uint8_t* first;  // the bytes of column n0 in weight row 0
+  int64_t row_bytes, N, n0;
+  int width, pairs, tail;  // tail: columns in the last pair
+
+  PackedColumns(const uint8_t* w, int64_t N, int64_t n0, int width)
+      : first(w + n0 / 2), row_bytes(N / 2), N(N), n0(n0), width(width), pairs((width + 2 * kLanes - 1) / (2 * kLanes)),
+        tail(width - (pairs - 1) * 2 * kLanes) {}
+
+  void load(int64_t k, int p, Vec& even, Vec& odd) const {  // pair p of weight row k
     if (p + 1 < pairs || tail == 2 * kLanes) return load_nibble_pairs(first + k * row_bytes + p * kLanes, even, odd);
     alignas(16) uint8_t bytes[kLanes] = {};
     std::memcpy(bytes, first + k * row_bytes + p * kLanes, (tail + 1) / 2);
     load_nibble_pairs(bytes, even, odd);
-  };
-  for (int64_t b = 0; b < q.KB; ++b) {
-    const int64_t k0 = b * Kb, k1 = k0 + Kb;
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 2 * pairs; ++j) part[r][j] = Vec{};
-    int64_t k = k0;
-    for (; k + 2 <= k1; k += 2) {
-      const bool fetch = k + kPrefetchRows + 2 <= K;
-      for (int p = 0; p < pairs; ++p) {
-        if (fetch && p % 4 == 0)  // a cache line holds four pairs' bytes
-          for (int i = 0; i < 2; ++i) __builtin_prefetch(first + (k + kPrefetchRows + i) * row_bytes + p * kLanes);
-        Vec e0, o0, e1, o1;
-        weights(k, p, e0, o0);
-        weights(k + 1, p, e1, o1);
-        for (int r = 0; r < R; ++r) {
-          const Vec x0 = Vec{} + to_float(x[r * K + k]), x1 = Vec{} + to_float(x[r * K + k + 1]);
-          part[r][2 * p] = fma(x1, e1, fma(x0, e0, part[r][2 * p]));
-          part[r][2 * p + 1] = fma(x1, o1, fma(x0, o0, part[r][2 * p + 1]));
-        }
-      }
-    }
-    for (; k < k1; ++k)
-      for (int p = 0; p < pairs; ++p) {
-        Vec e0, o0;
-        weights(k, p, e0, o0);
-        for (int r = 0; r < R; ++r) {
-          const Vec x0 = Vec{} + to_float(x[r * K + k]);
-          part[r][2 * p] = fma(x0, e0, part[r][2 * p]);
-          part[r][2 * p + 1] = fma(x0, o0, part[r][2 * p + 1]);
-        }
-      }
-    for (int p = 0; p < pairs; ++p) {
-      const int64_t column = n0 + p * 2 * kLanes;
-      const int count = p + 1 < pairs ? 2 * kLanes : tail;
-      Vec even_scale, odd_scale;
-      block_pairs(q, q.scales, b * N + column, count, even_scale, odd_scale);
-      for (int r = 0; r < R; ++r) {
-        acc[r][2 * p] = fma(part[r][2 * p], even_scale, acc[r][2 * p]);
-        acc[r][2 * p + 1] = fma(part[r][2 * p + 1], odd_scale, acc[r][2 * p + 1]);
-      }
-      if (q.mins) {
-        Vec even_min, odd_min;
-        block_pairs(q, q.mins, b * N + column, count, even_min, odd_min);
-        for (int r = 0; r < R; ++r) {
-          const Vec sum = Vec{} + sums[r * q.KB + b];
-          acc[r][2 * p] = fma(sum, even_min, acc[r][2 * p]);
-          acc[r][2 * p + 1] = fma(sum, odd_min, acc[r][2 * p + 1]);
-        }
-      }
-    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / (2 * kLanes) * 2 + c % 2][c % (2 * kLanes) / 2];
-}
 
-// The sums of pairs p0 .. p0 + G - 1 over one block's rows k0 .. k1 - 1, in registers: each column's chain starts
-// at zero and adds k in order, as one row's `part` did when the block was streamed row by row, so the bits are those.
-// The block's scale and min are then folded into `acc` as before. The weight is read as a band of the group's bytes
-// down the block's rows (a cache line a row at four pairs); neighbouring groups find their bands in cache.
-template <int R, int G, typename X, typename Weights4>
-inline void packed_group(const X* x, int64_t K, Weights4 weights, const uint8_t* first, int64_t row_bytes, int64_t k0,
-                         int64_t k1, int p0, Vec (*acc)[kPackedBlock<R> / kLanes], const Blocks& q, int64_t b,
-                         int64_t N, int64_t n0, int pairs, int tail, const float* sums) {
-  Vec part[R][2 * G] = {};
-  for (int64_t k = k0; k < k1; ++k) {
-    if (k + kPrefetchRows < K) __builtin_prefetch(first + (k + kPrefetchRows) * row_bytes + p0 * kLanes);
-    Vec even[G], odd[G];
-    for (int i = 0; i < G; ++i) weights(k, p0 + i, even[i], odd[i]);
-    for (int r = 0; r < R; ++r) {
-      const Vec xr = Vec{} + to_float(x[r * K + k]);
-      for (int i = 0; i < G; ++i) {
-        part[r][2 * i] = fma(xr, even[i], part[r][2 * i]);
-        part[r][2 * i + 1] = fma(xr, odd[i], part[r][2 * i + 1]);
-      }
-    }
-  }
-  for (int i = 0; i < G; ++i) {
-    const int p = p0 + i;
+  // acc[r][2p], acc[r][2p + 1] += block b's sums of pair p (part(r, 0) even columns, part(r, 1) odd) times its
+  // scales, then its mins times the rows' sums of x over the block.
+  template <int R, typename Part>
+  void fold(const Blocks& q, int64_t b, int p, Part part, const float* sums,
+            Vec (*acc)[kPackedBlock<R> / kLanes]) const {
     const int64_t column = n0 + p * 2 * kLanes;
     const int count = p + 1 < pairs ? 2 * kLanes : tail;
     Vec even_scale, odd_scale;
     block_pairs(q, q.scales, b * N + column, count, even_scale, odd_scale);
     for (int r = 0; r < R; ++r) {
-      acc[r][2 * p] = fma(part[r][2 * i], even_scale, acc[r][2 * p]);
-      acc[r][2 * p + 1] = fma(part[r][2 * i + 1], odd_scale, acc[r][2 * p + 1]);
+      acc[r][2 * p] = fma(part(r, 0), even_scale, acc[r][2 * p]);
+      acc[r][2 * p + 1] = fma(part(r, 1), odd_scale, acc[r][2 * p + 1]);
     }
     if (q.mins) {
       Vec even_min, odd_min;
@@ -356,31 +287,86 @@ inline void packed_group(const X* x, int64_t K, Weights4 weights, const uint8_t*
       }
     }
   }
+
+  template <int R>
+  void store(const Vec (*acc)[kPackedBlock<R> / kLanes], float* out) const {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < width; ++c)
+        out[r * N + n0 + c] = acc[r][c / (2 * kLanes) * 2 + c % 2][c % (2 * kLanes) / 2];
+  }
+};
+
+template <int R, typename X>
+void packed_column_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int width, const Blocks& q,
+                         const float* sums, float* out) {
+  const PackedColumns cols(w, N, n0, width);
+  const int pairs = cols.pairs;
+  const int64_t Kb = K / q.KB;
+  alignas(64) Vec acc[R][kPackedBlock<R> / kLanes] = {};
+  alignas(64) Vec part[R][kPackedBlock<R> / kLanes];
+  for (int64_t b = 0; b < q.KB; ++b) {
+    const int64_t k0 = b * Kb, k1 = k0 + Kb;
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 2 * pairs; ++j) part[r][j] = Vec{};
+    int64_t k = k0;
+    for (; k + 2 <= k1; k += 2) {
+      const bool fetch = k + kPrefetchRows + 2 <= K;
+      for (int p = 0; p < pairs; ++p) {
+        if (fetch && p % 4 == 0)  // a cache line holds four pairs' bytes
+          for (int i = 0; i < 2; ++i)
+            __builtin_prefetch(cols.first + (k + kPrefetchRows + i) * cols.row_bytes + p * kLanes);
+        Vec e0, o0, e1, o1;
+        cols.load(k, p, e0, o0);
+        cols.load(k + 1, p, e1, o1);
+        for (int r = 0; r < R; ++r) {
+          const Vec x0 = Vec{} + to_float(x[r * K + k]), x1 = Vec{} + to_float(x[r * K + k + 1]);
+          part[r][2 * p] = fma(x1, e1, fma(x0, e0, part[r][2 * p]));
+          part[r][2 * p + 1] = fma(x1, o1, fma(x0, o0, part[r][2 * p + 1]));
+        }
+      }
+    }
+    for (; k < k1; ++k)
+      for (int p = 0; p < pairs; ++p) {
+        Vec e0, o0;
+        cols.load(k, p, e0, o0);
+        for (int r = 0; r < R; ++r) {
+          const Vec x0 = Vec{} + to_float(x[r * K + k]);
+          part[r][2 * p] = fma(x0, e0, part[r][2 * p]);
+          part[r][2 * p + 1] = fma(x0, o0, part[r][2 * p + 1]);
+        }
+      }
+    for (int p = 0; p < pairs; ++p)
+      cols.fold<R>(q, b, p, [&](int r, int odd) { return part[r][2 * p + odd]; }, sums, acc);
+  }
+  cols.store<R>(acc, out);
 }
 
 // packed_column_block for three rows or more, where the multiply-adds (not the weight's bytes) set the pace: a
-// block's sums stay in registers a pair at a time (`packed_group`) instead of going through L1 at every row of the
-// weight. The same chains, so the same bits; with one or two rows the row-by-row stream is faster.
+// block's sums stay in registers, one pair at a time down the block's rows, instead of going through L1 at every
+// row of the weight. Each column's chain is the same (k in order from zero, then the block's scale and min), so the
+// bits are the same; with one or two rows the row-by-row stream is faster.
 template <int R, typename X>
 void packed_register_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int width,
                            const Blocks& q, const float* sums, float* out) {
-  const int pairs = (width + 2 * kLanes - 1) / (2 * kLanes);
-  const int tail = width - (pairs - 1) * 2 * kLanes;  // columns in the last pair
-  const int64_t Kb = K / q.KB, row_bytes = N / 2;
+  const PackedColumns cols(w, N, n0, width);
+  const int64_t Kb = K / q.KB;
   alignas(64) Vec acc[R][kPackedBlock<R> / kLanes] = {};
-  const uint8_t* first = w + n0 / 2;
-  auto weights = [&](int64_t k, int p, Vec& even, Vec& odd) {
-    if (p + 1 < pairs || tail == 2 * kLanes) return load_nibble_pairs(first + k * row_bytes + p * kLanes, even, odd);
-    alignas(16) uint8_t bytes[kLanes] = {};
-    std::memcpy(bytes, first + k * row_bytes + p * kLanes, (tail + 1) / 2);
-    load_nibble_pairs(bytes, even, odd);
-  };
   for (int64_t b = 0; b < q.KB; ++b)
-    for (int p = 0; p < pairs; ++p)
-      packed_group<R, 1>(x, K, weights, first, row_bytes, b * Kb, (b + 1) * Kb, p, acc, q, b, N, n0, pairs, tail,
-                         sums);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / (2 * kLanes) * 2 + c % 2][c % (2 * kLanes) / 2];
+    for (int p = 0; p < cols.pairs; ++p) {
+      Vec even[R] = {}, odd[R] = {};
+      for (int64_t k = b * Kb; k < (b + 1) * Kb; ++k) {
+        if (k + kPrefetchRows < K) __builtin_prefetch(cols.first + (k + kPrefetchRows) * cols.row_bytes + p * kLanes);
+        Vec e, o;
+        cols.load(k, p, e, o);
+        for (int r = 0; r < R; ++r) {
+          const Vec xr = Vec{} + to_float(x[r * K + k]);
+          even[r] = fma(xr, e, even[r]);
+          odd[r] = fma(xr, o, odd[r]);
+        }
+      }
+      cols.fold<R>(q, b, p, [&](int r, int is_odd) { return is_odd ? odd[r] : even[r]; }, sums, acc);
+    }
+  cols.store<R>(acc, out);
 }
 
 // Columns [n0, n0 + width) of R rows (x: the first row, its stride K) by w [K, N], width <= kBlock. The weight is
