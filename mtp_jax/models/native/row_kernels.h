@@ -240,9 +240,6 @@ inline void block_pairs(const Blocks& q, const void* p, int64_t i, int count, Ve
   for (int c = 0; c < count; ++c) (c % 2 ? odd : even)[c / 2] = q.value(p, i + c);
 }
 
-// blocked_column_block for packed 4-bit weights, streamed row by row as column_block streams its weights: 32
-// columns at a time (16 bytes of a weight row), kept as their even and odd columns' sums ([2 p] and [2 p + 1] for
-// the p-th 32 columns). A block's sums (`part`, in L1 beside `acc`) are folded into `acc` at the block's end.
 template <int R>
 constexpr int kPackedBlock = kBlock<R> / 2;  // columns per block: acc and part share L1
 
@@ -296,6 +293,9 @@ struct PackedColumns {
   }
 };
 
+// blocked_column_block for packed 4-bit weights, streamed row by row as column_block streams its weights: 32
+// columns at a time (16 bytes of a weight row), kept as their even and odd columns' sums ([2 p] and [2 p + 1] for
+// the p-th 32 columns). A block's sums (`part`, in L1 beside `acc`) are folded into `acc` at the block's end.
 template <int R, typename X>
 void packed_column_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int width, const Blocks& q,
                          const float* sums, float* out) {
