@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from mtp_jax.config import WEIGHT_FORMATS
 from mtp_jax.conversion.convert import config_of, convert_params, write_converted
 from mtp_jax.conversion.writer import check_destination
-from mtp_jax.errors import run_cli
+from mtp_jax.errors import exit_process, run_cli
 from mtp_jax.params.open_source import open_source
 
 
@@ -66,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -29,7 +29,7 @@ from mtp_jax.cache import cache_slots
 from mtp_jax.config import DecodeConfig
 from mtp_jax.decode import add_storage_arguments, positive_int
 from mtp_jax.default_model import default_gguf_path
-from mtp_jax.errors import OneLineParser, UserError, run_cli
+from mtp_jax.errors import OneLineParser, UserError, exit_process, run_cli
 from mtp_jax.hub import MODEL_HELP, local_path, names_a_model
 from mtp_jax.models import causal_lm, cpu_rows
 from mtp_jax.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
@@ -425,4 +425,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 
 from mtp_jax import checkpoint, compile_cache, stats
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS, DecodeConfig
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import UserError, exit_process, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
 from mtp_jax.hub import MODEL_HELP, names_a_model
 from mtp_jax.models import causal_lm, cpu_rows
@@ -434,4 +434,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from mtp_jax import checkpoint, compile_cache
 from mtp_jax.config import DecodeConfig
 from mtp_jax.data.prompt_builder import build_prompts
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import UserError, exit_process, run_cli
 from mtp_jax.files import write_atomically
 from mtp_jax.hub import MODEL_HELP
 from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
@@ -113,4 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

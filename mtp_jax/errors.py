@@ -1,6 +1,7 @@
 """The project's error types (one base, `MtpError`) and the entry points' one-line reporting of them."""
 
 import argparse
+import os
 import sys
 
 
@@ -21,6 +22,17 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message}\n")
+
+
+def exit_process(code: int) -> None:
+    """End a command-line process with `code`. After Ctrl-C (130) the interpreter's own teardown is skipped (the
+    output is flushed first, and `run_cli` has already let every `finally` and `with` run): a compile or trace cut
+    short left XLA objects whose destructors crashed the exit with a segmentation fault (status 139)."""
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def run_cli(run, args) -> int:

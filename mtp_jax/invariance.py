@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import checkpoint
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import UserError, exit_process, run_cli
 from mtp_jax.hub import MODEL_HELP
 from mtp_jax.models import loops
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
@@ -163,4 +163,4 @@ def _run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 
 import jax
@@ -22,7 +21,7 @@ import numpy as np
 
 from mtp_jax import quant
 from mtp_jax.decode import positive_int
-from mtp_jax.errors import OneLineParser, UserError, run_cli
+from mtp_jax.errors import OneLineParser, UserError, exit_process, run_cli
 from mtp_jax.models import fixed_tiles
 from mtp_jax.stats import describe_device
 
@@ -140,4 +139,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

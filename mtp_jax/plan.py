@@ -23,7 +23,7 @@ from flax import nnx
 from mtp_jax import planning, shapes, sharding, topology
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
 from mtp_jax.decode import check_output_path, positive_int
-from mtp_jax.errors import OneLineParser, UserError, run_cli
+from mtp_jax.errors import OneLineParser, UserError, exit_process, run_cli
 from mtp_jax.families.registry import family_of
 from mtp_jax.files import write_atomically
 from mtp_jax.hub import local_path
@@ -286,4 +286,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

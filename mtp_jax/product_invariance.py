@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.decode import positive_int
-from mtp_jax.errors import OneLineParser, UserError, run_cli
+from mtp_jax.errors import OneLineParser, UserError, exit_process, run_cli
 from mtp_jax.models import fixed_tiles
 from mtp_jax.stats import describe_device
 
@@ -96,4 +96,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import checkpoint
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import UserError, exit_process, run_cli
 from mtp_jax.files import write_atomically
 from mtp_jax.hub import MODEL_HELP
 from mtp_jax.models.causal_lm import CausalLM
@@ -179,4 +179,4 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

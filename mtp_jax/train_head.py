@@ -24,7 +24,7 @@ from tqdm import tqdm
 from mtp_jax import checkpoint
 from mtp_jax.config import MtpConfig
 from mtp_jax.distill import distill
-from mtp_jax.errors import UserError, run_cli
+from mtp_jax.errors import UserError, exit_process, run_cli
 from mtp_jax.files import write_atomically
 from mtp_jax.heads import HEAD_CONFIG, save_head, trunk_fingerprint
 from mtp_jax.hub import MODEL_HELP
@@ -280,4 +280,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
