@@ -19,6 +19,7 @@ from mtp_jax.params.open_source import open_source
 from mtp_jax.params.tree import assemble, nest
 from mtp_jax.quant import is_quantized, quantize_model
 from mtp_jax.sharding import ShardingRules, rules_for
+from mtp_jax.text_tokenizer import import_transformers
 
 
 def default_dtype():
@@ -76,11 +77,9 @@ def _load_trunk(path, *, dtype, mesh, weights: str = "auto"):
     if path is None:
         return load_default(dtype, rules, keep_blocks=keep_blocks)
     if os.path.isdir(path) and is_converted(path):
-        from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
-
         tokenizer = None
         if any(f.startswith("tokenizer") for f in os.listdir(path)):
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = import_transformers().AutoTokenizer.from_pretrained(path)
         return restore_converted(path, dtype, rules), tokenizer
     source = open_source(path)
     cfg = config_of(source)

@@ -15,6 +15,7 @@ needed: the model is used as read, with a note. Several processes converting at 
 
 from __future__ import annotations
 
+import concurrent.futures
 import fcntl
 import hashlib
 import importlib.metadata
@@ -115,11 +116,14 @@ def cannot_keep(folder: str, error: Exception, loaded: tuple[CausalLM, object]) 
 
 
 def read_gguf(gguf: str, dtype, rules: ShardingRules | None, keep_blocks: bool = True) -> tuple[CausalLM, object]:
-    """(model, transformers tokenizer) read from the GGUF itself."""
+    """(model, transformers tokenizer) read from the GGUF itself; the tokenizer (most of it importing transformers)
+    on a second thread while the weights are read."""
     source = open_source(gguf)
     cfg = config_of(source)
-    params = read_params(source, cfg, dtype, rules, keep_blocks=keep_blocks)
-    return assemble(cfg, nest(params), dtype, rules), source.load_tokenizer()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mtp_jax-tokenizer") as pool:
+        tokenizer = pool.submit(source.load_tokenizer)
+        params = read_params(source, cfg, dtype, rules, keep_blocks=keep_blocks)
+        return assemble(cfg, nest(params), dtype, rules), tokenizer.result()
 
 
 def read_cached(

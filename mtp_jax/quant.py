@@ -324,9 +324,9 @@ def quantize_int8_blocks(weight: jax.Array, contracting: Sequence[int]) -> Quant
     return QuantizedArray(values, scales, jnp.dtype(weight.dtype))
 
 
-# How a GGUF's block formats are held when weights are kept as the checkpoint ships them ("auto"): by the quantizer
-# that finds the file's own blocks again from the weights they dequantize to (gguf_source.block_format names them).
-# Jitted: one program a shape (op by op, a conversion compiled some 180 small programs).
+# How a GGUF's block formats are held when weights are kept as the checkpoint ships them ("auto"), where their
+# blocks cannot be moved as stored (conversion/gguf_blocks.py): by the quantizer that finds the file's own blocks
+# again from the weights they dequantize to (gguf_source.block_format names them). Jitted: one program a shape.
 SHIPPED_BLOCKS = {
     "Q4_1": jax.jit(quantize_int4, static_argnums=1),
     "Q8_0": jax.jit(quantize_int8_blocks, static_argnums=1),

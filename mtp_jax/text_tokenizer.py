@@ -13,6 +13,7 @@ import datetime
 import functools
 import json
 import os
+import sys
 
 import jinja2
 import jinja2.ext
@@ -25,6 +26,23 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+QUIET_ADVICE = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+
+
+def import_transformers():
+    """The transformers module (heavy to import: seconds), imported without its advice that PyTorch is missing and
+    its models unavailable: this package uses its tokenizers only."""
+    if "transformers" not in sys.modules:
+        previous = os.environ.get(QUIET_ADVICE)
+        os.environ[QUIET_ADVICE] = "1"
+        try:
+            import transformers  # noqa: F401
+        finally:
+            if previous is None:
+                os.environ.pop(QUIET_ADVICE, None)
+            else:
+                os.environ[QUIET_ADVICE] = previous
+    return sys.modules["transformers"]
 
 
 class TextTokenizer:

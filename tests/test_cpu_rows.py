@@ -23,7 +23,7 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax import quant, shapes, speculative
-from mtp_jax.models import cpu_rows, matmul_layout, rowwise
+from mtp_jax.models import cpu_rows, kernel_build, matmul_layout, rowwise
 from mtp_jax.models.rowwise import lone_rows_exact, project
 from tests.prompts import invariant_greedy
 
@@ -162,8 +162,9 @@ def test_a_damaged_library_in_the_cache_is_built_again(monkeypatch, tmp_path):
     """A build cut short leaves only a scratch file; a library damaged afterwards (here: overwritten) is rebuilt,
     not loaded and not left to turn the kernel off for good."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_rows, "FLAGS", tuple("-O0" if f == "-O3" else f for f in cpu_rows.FLAGS))  # a quick build
-    path = cpu_rows._library_path("g++")
+    monkeypatch.setattr(kernel_build, "FLAGS", tuple("-O0" if f == "-O3" else f for f in kernel_build.FLAGS))  # quick
+    monkeypatch.setattr(kernel_build, "installed_dir", lambda: tmp_path / "no-install")
+    path = cpu_rows.build_dir() / kernel_build.library_name("g++")
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     cpu_rows.reset_status()

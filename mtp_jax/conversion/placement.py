@@ -12,6 +12,7 @@ import numpy as np
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.conversion.convert import param_readers
+from mtp_jax.conversion.gguf_blocks import read_stored_blocks
 from mtp_jax.models.causal_lm import model_param_axes
 from mtp_jax.quant import SHIPPED_BLOCKS, QuantizedArray, stored_axes
 from mtp_jax.sharding import ShardingRules, place
@@ -31,7 +32,8 @@ def read_params(
     `keep_fp8`: weights the checkpoint stores as fp8 with block scales stay so (`QuantizedArray`: the values and
     their scales, each laid out as the weight), else they are dequantized into `dtype`. `keep_blocks`: matmul
     weights, embeddings and lm_heads a GGUF stores in a block format `quant.SHIPPED_BLOCKS` holds (Q4_1, Q8_0) stay
-    in it: read in float32 and quantized again, which finds the file's blocks bit for bit."""
+    in it: the file's blocks moved into our layout as stored (`gguf_blocks`), or, for a layout they are not
+    followed through, found again by quantizing the values read in float32."""
     readers, _ = param_readers(source, cfg, dtype, only_mtp)
     layouts = model_param_axes(cfg, dtype)  # values and scales of a quantized weight laid out as the weight
 
@@ -48,8 +50,11 @@ def read_params(
             params[path] = QuantizedArray(read(path, reader, "values"), read(path, reader, "scales"), jnp.dtype(dtype))
         elif shipped is not None:
             quantize, contracting = shipped
-            exact = dataclasses.replace(reader, dtype=np.dtype(np.float32))  # the file's values, unrounded
-            kept = dataclasses.replace(quantize(jnp.asarray(exact.read()), contracting), dtype=jnp.dtype(dtype))
+            kept = read_stored_blocks(reader, contracting, dtype)
+            if kept is None:  # a layout the blocks are not followed through: found again from the values
+                exact = dataclasses.replace(reader, dtype=np.dtype(np.float32))  # the file's values, unrounded
+                kept = dataclasses.replace(quantize(jnp.asarray(exact.read()), contracting), dtype=jnp.dtype(dtype))
+            kept = jax.tree.map(jnp.asarray, kept)
             place_leaf = lambda leaf, path=path: jax.device_put(leaf, rules.sharding(layouts[path], leaf.shape))
             params[path] = kept if rules is None else jax.tree.map(place_leaf, kept)
         else:

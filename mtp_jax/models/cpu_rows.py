@@ -9,9 +9,10 @@ with per-output-channel scales), widens it in registers, and adds each output el
 a row's result is the same bits whatever else shares the pass, so batch-invariant decoding needs no twin of a lone
 row on a CPU either.
 
-It is built on first use with the C++ compiler (`$CXX`, default g++) for this machine's CPU, into
-`~/.cache/mtp_jax/native` (a name per source, compiler, JAX and CPU; `$XDG_CACHE_HOME` honoured), and registered as
-an FFI target. Without a compiler, or with `MTP_JAX_NATIVE=0`, every product stays XLA's (`status()` says why).
+It is built for this machine's CPU with the C++ compiler (`$CXX`, default g++) by the install (setup.py) into the
+package, or else on first use into `~/.cache/mtp_jax/native` (`$XDG_CACHE_HOME` honoured); a library's name follows
+its sources, compiler, jaxlib and CPU (models/kernel_build.py). It is registered as an FFI target. Without a
+compiler, or with `MTP_JAX_NATIVE=0`, every product stays XLA's (`status()` says why).
 
 `rowwise.project` uses it on a CPU without a mesh of several devices: for every pass under batch-invariant decoding
 (prefills too, so that a prompt's rows get the same sums alone and in a batch), and for passes of at most ROWS_MAX
@@ -20,37 +21,27 @@ rows otherwise (decode steps and verify blocks; a long prefill keeps XLA's GEMM,
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import functools
-import hashlib
 import os
-import platform
 import shutil
 import subprocess
-import sys
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.models import matmul_layout
+from mtp_jax.models import kernel_build, matmul_layout
 from mtp_jax.models.stacked_weights import StackedWeight, layer_value
 from mtp_jax.quant import QuantizedArray, quantized_einsum
 from mtp_jax.sharding import active_platform, one_device_active
 
-NATIVE = Path(__file__).with_name("native")
-BINDING, UNIT, KERNELS = NATIVE / "row_matmul.cc", NATIVE / "row_columns.cc", NATIVE / "row_kernels.h"
-UNIT_TYPES = [(x, w) for x in ("float", "uint16_t") for w in ("float", "uint16_t", "int8_t", "U4")]  # ROW_X, ROW_W
 TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fPIC")
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of this many contracting elements a block
 _LOCK = threading.Lock()
@@ -62,59 +53,12 @@ def build_dir() -> Path:
     return Path(base) / "mtp_jax" / "native"
 
 
-def _cpu_flags() -> str:
+def _load(path: Path):
+    """The handler of the library at `path`, or None where it cannot be loaded (truncated, overwritten)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(
-        "\n".join(
-            [
-                *(p.read_text() for p in (BINDING, UNIT, KERNELS)),
-                version,
-                jax.__version__,
-                " ".join(FLAGS),
-                _cpu_flags(),
-            ]
-        ).encode()
-    ).hexdigest()[:16]
-    return build_dir() / f"row_matmul-{key}.so"
-
-
-def _build(compiler: str, path: Path) -> None:
-    """Compile the kernel into `path` (written beside it, then renamed: concurrent builders do not collide): the
-    binding and one unit per activation and weight type, as many at once as this machine has cores, then linked."""
-    cores = os.cpu_count() or 1
-    print(f"mtp_jax: building the CPU row kernel once into {path.parent} ({len(UNIT_TYPES) + 1} units on {cores} "
-          "cores)", file=sys.stderr)  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob("building-*"):  # left by a killed build (not one still running: 10 minutes)
-        if time.time() - stale.stat().st_mtime > 600:
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix="building-", dir=path.parent) as scratch:
-        units = [[f"-I{jax.ffi.include_dir()}", str(BINDING)]]
-        units += [[f"-DROW_X={x}", f"-DROW_W={w}", str(UNIT)] for x, w in UNIT_TYPES]
-        objects = [os.path.join(scratch, f"unit{i}.o") for i in range(len(units))]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=cores) as pool:
-            jobs = [[compiler, *FLAGS, "-c", *unit, "-o", out] for unit, out in zip(units, objects, strict=True)]
-            for done in pool.map(
-                lambda command: subprocess.run(command, capture_output=True, text=True, timeout=600), jobs
-            ):
-                _check(compiler, done)
-        library = os.path.join(scratch, "row_matmul.so")
-        _check(compiler, subprocess.run([compiler, "-shared", *objects, "-o", library], capture_output=True,
-                                        text=True, timeout=600))  # fmt: skip
-        os.replace(library, path)
-
-
-def _check(compiler: str, done: subprocess.CompletedProcess) -> None:
-    if done.returncode != 0:
-        raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else '?'}")
+        return getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+    except (OSError, AttributeError):
+        return None
 
 
 def status() -> str:
@@ -140,18 +84,23 @@ def prepare() -> None:
 def _status_once() -> str:
     if os.environ.get(DISABLE_ENV) == "0":
         return f"off ({DISABLE_ENV}=0)"
-    compiler = os.environ.get("CXX", "g++")
+    compiler = kernel_build.compiler()
     if shutil.which(compiler) is None:
         return f"off (no C++ compiler {compiler!r})"
     try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-        try:
-            handler = getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
-        except (OSError, AttributeError):  # a damaged library in the cache (truncated, overwritten): built again
-            _build(compiler, path)
-            handler = getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+        name = kernel_build.library_name(compiler)
+        path = kernel_build.installed_dir() / name  # built by the install
+        handler = _load(path) if path.exists() else None
+        if handler is None:  # else built once into the user's cache
+            path = build_dir() / name
+            if not path.exists():
+                kernel_build.build(compiler, path, Path(jax.ffi.include_dir()))
+            handler = _load(path)
+            if handler is None:  # a damaged library in the cache (truncated, overwritten): built again
+                kernel_build.build(compiler, path, Path(jax.ffi.include_dir()))
+                handler = _load(path)
+            if handler is None:
+                raise OSError(f"{path} does not load")
         if not _REGISTERED:  # once per process (a second registration of the name is refused)
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
             _REGISTERED.append(path)

@@ -15,10 +15,12 @@ import struct
 import gguf
 import ml_dtypes
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from mtp_jax.errors import ConversionError
 from mtp_jax.params.gguf_file import GGUFFile, dequantize
 from mtp_jax.params.source import CheckpointSource
+from mtp_jax.text_tokenizer import import_transformers
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 HF_ARCHITECTURE_CLASSES = {
@@ -151,6 +153,24 @@ class GGUFSource(CheckpointSource):
         kind = self._tensors[name].tensor_type
         return kind.name if kind in (Q.Q4_1, Q.Q8_0) else None
 
+    def read_stored_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Tensor `name`, stored in a format `block_format` names, as its blocks hold it (w = level * scale + min):
+        levels [*shape] (Q4_1: uint8 0..15, Q8_0: int8) and, per block of 32 along the last axis, the float16 scale
+        and (Q4_1) min [*shape[:-1], shape[-1] // 32]; llama's q/k rows put back as `read` puts them."""
+        t = self._tensors[name]
+        shape = self.shape(name)
+        block, size = GGML_QUANT_SIZES[t.tensor_type]
+        blocks = np.asarray(t.data).reshape(-1, size)  # [blocks, bytes]: float16 scale (and min), then the levels
+        scales = blocks[:, 0:2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // block)
+        if t.tensor_type == Q.Q8_0:
+            levels, mins = blocks[:, 2:].view(np.int8), None
+        else:  # Q4_1: byte j holds level j (low nibble) and level j + 16 (high nibble)
+            packed = blocks[:, 4:]
+            levels = np.concatenate([packed & 15, packed >> 4], axis=1)
+            mins = blocks[:, 2:4].copy().view(np.float16).reshape(scales.shape)
+        parts = (levels.reshape(shape), scales, mins)
+        return tuple(None if a is None else self._unpermute(name, a) for a in parts)
+
     def read(self, name: str) -> np.ndarray:
         t = self._tensors[name]
         shape = self.shape(name)
@@ -180,8 +200,8 @@ class GGUFSource(CheckpointSource):
     def _tokenizer_without_torch(self):
         """transformers' GGUF tokenizer builder fed with metadata read here: its own GGUF reader imports torch,
         which the library does not require. None when this transformers version lacks the builder."""
-        try:  # transformers is heavy to import (seconds): only a tokenizer needs it
-            from transformers import PreTrainedTokenizerFast
+        try:
+            PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast
             from transformers.integrations.gguf.gguf_tokenizer_mapping import (
                 GGUF_TOKENIZER_MAPPING,
                 convert_gguf_tokenizer,
@@ -204,11 +224,11 @@ class GGUFSource(CheckpointSource):
         return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
     def load_tokenizer(self):
-        from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
-
         folder, filename = os.path.split(os.path.abspath(self.path))
         try:
-            tokenizer = self._tokenizer_without_torch() or AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+            tokenizer = self._tokenizer_without_torch()
+            if tokenizer is None:
+                tokenizer = import_transformers().AutoTokenizer.from_pretrained(folder, gguf_file=filename)
         except (ValueError, KeyError, OSError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConversionError(f"{self.path}: cannot build a tokenizer from the GGUF ({reason})") from None

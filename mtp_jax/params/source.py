@@ -16,6 +16,7 @@ import numpy as np
 
 from mtp_jax.errors import ConversionError
 from mtp_jax.params.safetensors_reader import SafetensorsFile
+from mtp_jax.text_tokenizer import import_transformers
 
 
 class CheckpointSource(abc.ABC):
@@ -147,6 +148,4 @@ class SafetensorsFolderSource(CheckpointSource):
     def load_tokenizer(self):
         if not any(f.startswith(("tokenizer", "vocab")) for f in self.tokenizer_files()):
             return None
-        from transformers import AutoTokenizer  # heavy to import (seconds): only a tokenizer needs it
-
-        return AutoTokenizer.from_pretrained(self.path)
+        return import_transformers().AutoTokenizer.from_pretrained(self.path)
