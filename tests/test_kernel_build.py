@@ -4,7 +4,7 @@
   for (same sources, compiler, jaxlib and CPU), and replaces an earlier install's library; a compiler that fails
   leaves the install going, with one line, and no library.
 - A run loads the installed library and builds nothing; without one it builds into the user's cache (tested with a
-  damaged cache in tests/test_cpu_rows.py).
+  damaged cache in tests/test_cpu_rows.py), which keeps the newest builds only.
 """
 
 from __future__ import annotations
@@ -82,3 +82,15 @@ def test_a_run_loads_the_installed_library_and_builds_nothing(monkeypatch, tmp_p
         monkeypatch.undo()
         cpu_rows.reset_status()
     assert cpu_rows.status() == "ready"
+
+
+def test_the_cache_keeps_the_library_in_use_and_the_newest_others(tmp_path):
+    libraries = [tmp_path / f"row_matmul-{i:016x}.so" for i in range(12)]
+    for age, path in enumerate(libraries):
+        path.write_text("a build")
+        os.utime(path, (1e9 + age, 1e9 + age))  # library i built at second i
+    (tmp_path / "notes.txt").write_text("not a library")
+    kernel_build.prune(tmp_path, libraries[2], others=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["notes.txt", libraries[2].name, *(p.name for p in libraries[5:])]
+    )

@@ -40,6 +40,7 @@ from mtp_jax.sharding import active_platform, one_device_active
 
 TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
+CACHED_BUILDS = 8  # libraries kept in the user's cache (the newest; other environments' builds among them)
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
@@ -95,6 +96,7 @@ def _status_once() -> str:
             path = build_dir() / name
             if not path.exists():
                 kernel_build.build(compiler, path, Path(jax.ffi.include_dir()))
+                kernel_build.prune(path.parent, path, others=CACHED_BUILDS - 1)
             handler = _load(path)
             if handler is None:  # a damaged library in the cache (truncated, overwritten): built again
                 kernel_build.build(compiler, path, Path(jax.ffi.include_dir()))

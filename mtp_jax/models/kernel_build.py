@@ -99,6 +99,21 @@ def build(compiler: str, path: Path, include: Path) -> None:
         os.replace(library, path)
 
 
+def prune(folder: Path, keep: Path, others: int) -> None:
+    """Remove the libraries in `folder` but `keep` and the `others` most recently built (a user's cache serves
+    several environments: other jaxlibs, other checkouts)."""
+    rest = sorted((p for p in folder.glob("row_matmul-*.so") if p != keep), key=_built_at, reverse=True)
+    for stale in rest[others:]:
+        stale.unlink(missing_ok=True)
+
+
+def _built_at(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _check(compiler: str, done: subprocess.CompletedProcess) -> None:
     if done.returncode != 0:
         raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else '?'}")
@@ -114,9 +129,7 @@ def build_installed(target: Path) -> str:
         path = target / library_name(compiler())
         if not path.exists():
             build(compiler(), path, include)
-        for other in target.glob("row_matmul-*.so"):  # an earlier install's, for other sources or another jaxlib
-            if other != path:
-                other.unlink(missing_ok=True)
+        prune(target, path, others=0)  # an earlier install's, for other sources or another jaxlib
     except (OSError, RuntimeError, subprocess.SubprocessError, importlib.metadata.PackageNotFoundError) as e:
         return f"mtp_jax: CPU row kernel not built at install ({e})"
     return f"mtp_jax: CPU row kernel at {path}"
