@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -106,7 +107,7 @@ def _status_once() -> str:
         if not _REGISTERED:  # once per process (a second registration of the name is refused)
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
             _REGISTERED.append(path)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, subprocess.SubprocessError, importlib.metadata.PackageNotFoundError) as e:
         return f"off ({e})"
     return "ready"
 
