@@ -24,10 +24,15 @@ import time
 from pathlib import Path
 
 NATIVE = Path(__file__).with_name("native")
-BINDING, UNIT, KERNELS = NATIVE / "row_matmul.cc", NATIVE / "row_columns.cc", NATIVE / "row_kernels.h"
+BINDING, UNIT = NATIVE / "row_matmul.cc", NATIVE / "row_columns.cc"
 UNIT_TYPES = [(x, w) for x in ("float", "uint16_t") for w in ("float", "uint16_t", "int8_t", "U4")]  # ROW_X, ROW_W
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fPIC")
 STALE_SECONDS = 600  # a scratch folder this old was left by a killed build, not one still running
+
+
+def sources() -> list[Path]:
+    """Every source file of the kernel (its library's name covers them all)."""
+    return sorted(p for p in NATIVE.iterdir() if p.suffix in (".cc", ".h"))
 
 
 def installed_dir() -> Path:
@@ -53,7 +58,7 @@ def library_name(compiler: str) -> str:
     key = hashlib.sha256(
         "\n".join(
             [
-                *(p.read_text() for p in (BINDING, UNIT, KERNELS)),
+                *(p.read_text() for p in sources()),
                 version,
                 importlib.metadata.version("jaxlib"),
                 " ".join(FLAGS),
