@@ -24,6 +24,7 @@ from mtp_jax.conversion import placement
 from mtp_jax.conversion.convert import ParamReader, config_of, param_readers
 from mtp_jax.conversion.gguf_blocks import read_stored_blocks
 from mtp_jax.models.causal_lm import model_param_axes
+from mtp_jax.params.gguf_file import block_parts
 from mtp_jax.params.open_source import open_source
 from mtp_jax.params.transforms import Linear, Target, Transposed
 
@@ -63,11 +64,7 @@ class _OneTensor:
         self.blocks, self.hf_shape = blocks, shape
 
     def read_stored_blocks(self, name):
-        rows = self.blocks.reshape(-1, 20)
-        scales = rows[:, 0:2].copy().view(np.float16).reshape(self.hf_shape[0], -1)
-        mins = rows[:, 2:4].copy().view(np.float16).reshape(scales.shape)
-        levels = np.concatenate([rows[:, 4:] & 15, rows[:, 4:] >> 4], axis=1).reshape(self.hf_shape)
-        return levels, scales, mins
+        return block_parts(self.blocks, GGMLQuantizationType.Q4_1, self.hf_shape)
 
 
 def _reader(source, shape, transform) -> ParamReader:

@@ -53,6 +53,22 @@ def dequantize(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarra
     return values.astype(np.float32, copy=False).reshape(*data.shape[:-1], data.shape[-1] // type_size * block_size)
 
 
+def block_parts(data: np.ndarray, tensor_type: GGMLQuantizationType, shape: tuple[int, ...]):
+    """A Q4_1 or Q8_0 tensor's bytes as its blocks hold it (w = level * scale + min): levels [*shape] (Q4_1: uint8
+    0..15, Q8_0: int8) and, per block along the last axis, the float16 scale and (Q4_1) min [*shape[:-1], blocks],
+    else None."""
+    block, size = GGML_QUANT_SIZES[tensor_type]
+    blocks = np.asarray(data).reshape(-1, size)  # [blocks, bytes]: float16 scale (and min), then the levels
+    scales = blocks[:, 0:2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // block)
+    if tensor_type == GGMLQuantizationType.Q8_0:
+        return blocks[:, 2:].view(np.int8).reshape(shape), scales, None
+    if tensor_type != GGMLQuantizationType.Q4_1:
+        raise ValueError(f"{tensor_type.name} blocks are not read as stored")
+    packed = blocks[:, 4:]  # byte j: level j (low nibble) and level j + 16 (high nibble)
+    levels = np.concatenate([packed & 15, packed >> 4], axis=1).reshape(shape)
+    return levels, scales, blocks[:, 2:4].copy().view(np.float16).reshape(scales.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class GGUFTensor:
     name: str

@@ -15,10 +15,9 @@ import struct
 import gguf
 import ml_dtypes
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 
 from mtp_jax.errors import ConversionError
-from mtp_jax.params.gguf_file import GGUFFile, dequantize
+from mtp_jax.params.gguf_file import GGUFFile, block_parts, dequantize
 from mtp_jax.params.source import CheckpointSource
 from mtp_jax.text_tokenizer import import_transformers
 
@@ -158,18 +157,8 @@ class GGUFSource(CheckpointSource):
         levels [*shape] (Q4_1: uint8 0..15, Q8_0: int8) and, per block of 32 along the last axis, the float16 scale
         and (Q4_1) min [*shape[:-1], shape[-1] // 32]; llama's q/k rows put back as `read` puts them."""
         t = self._tensors[name]
-        shape = self.shape(name)
-        block, size = GGML_QUANT_SIZES[t.tensor_type]
-        blocks = np.asarray(t.data).reshape(-1, size)  # [blocks, bytes]: float16 scale (and min), then the levels
-        scales = blocks[:, 0:2].copy().view(np.float16).reshape(*shape[:-1], shape[-1] // block)
-        if t.tensor_type == Q.Q8_0:
-            levels, mins = blocks[:, 2:].view(np.int8), None
-        else:  # Q4_1: byte j holds level j (low nibble) and level j + 16 (high nibble)
-            packed = blocks[:, 4:]
-            levels = np.concatenate([packed & 15, packed >> 4], axis=1)
-            mins = blocks[:, 2:4].copy().view(np.float16).reshape(scales.shape)
-        parts = (levels.reshape(shape), scales, mins)
-        return tuple(None if a is None else self._unpermute(name, a) for a in parts)
+        levels, scales, mins = block_parts(t.data, t.tensor_type, self.shape(name))
+        return tuple(None if a is None else self._unpermute(name, a) for a in (levels, scales, mins))
 
     def read(self, name: str) -> np.ndarray:
         t = self._tensors[name]
