@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         "config.json",
     )
     source.add_argument("--random-shape", help="a named shape (mtp_jax/shapes.py), e.g. deepseek-v3, qwen3.6-27b")
-    parser.add_argument("--topology", required=True, help="v5e:2x4, v5p:4x4x4, v6e:4x4, v4:2x2x2, or cpu:N")
+    parser.add_argument(
+        "--topology", required=True, help="v5e:2x4, v5p:4x4x4, v6e:4x4, v4:2x2x2, gpu:N (GPUs like the one here), cpu:N"
+    )
     parser.add_argument("--mesh", default="auto", help="data=D,model=M[,expert=E], or auto: every legal mesh, ranked")
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--prompt-len", type=positive_int, default=64)
@@ -126,7 +128,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     """One mesh's plan (see the module doc)."""
     rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
     dtype = jnp.dtype(args.dtype)
-    platform = next(iter(rules.mesh.devices.flat)).platform
+    platform = sharding.mesh_platform(rules.mesh)
     layout = args.layer_layout
     if layout == "auto":
         layout = preferred_layout(platform, quantized=args.weights in ("int8", "int4", "fp8"))
@@ -274,10 +276,11 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Before JAX starts a backend: plans compile only, so JAX itself stays on the host (no TPU runtime is claimed);
-    # cpu:N asks for N host devices; libtpu's compiler may be loaded by several processes at once.
+    # Before JAX starts a backend: plans compile only, so JAX itself stays on the host (no TPU runtime is claimed)
+    # unless gpu:N needs the attached GPU's description; cpu:N asks for N host devices; libtpu's compiler may be
+    # loaded by several processes at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if "JAX_PLATFORMS" not in os.environ:
+    if "JAX_PLATFORMS" not in os.environ and not args.topology.startswith("gpu:"):
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_disable_most_optimizations", False)  # plan the program as it runs (tests turn them off)
 

@@ -66,7 +66,7 @@ def abstract_model(
     """The model with every parameter a `ShapeDtypeStruct` in its sharding (no memory), rules attached; its matmul
     weights stored as `weights` says (`quant.quantize_model`), its layers held as `layout` says for the rules' devices
     (`causal_lm.apply_layer_layout`)."""
-    platform = next(iter(rules.mesh.devices.flat)).platform
+    platform = sharding.mesh_platform(rules.mesh)
     build = lambda: apply_layer_layout(quantize_model(CausalLM(cfg, dtype=dtype), weights), layout, platform)
 
     def spec(leaf, axes):

@@ -366,7 +366,13 @@ def one_device_active() -> bool:
     return rules is None or rules.mesh.size == 1
 
 
+def mesh_platform(mesh) -> str:
+    """The platform of a mesh's devices, "cpu", "gpu" or "tpu" (compile-only GPUs name theirs "cuda" or "rocm")."""
+    platform = next(iter(mesh.devices.flat)).platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def active_platform() -> str:
     """The platform ("cpu", "gpu", "tpu") of the active rules' mesh, else of the default backend."""
     rules = active_rules()
-    return next(iter(rules.mesh.devices.flat)).platform if rules is not None else jax.default_backend()
+    return mesh_platform(rules.mesh) if rules is not None else jax.default_backend()

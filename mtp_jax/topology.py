@@ -1,7 +1,9 @@
-"""Device topologies to compile for without running on them: TPU slices (through libtpu's topology descriptions) and
-N host CPU devices standing in for a GPU node; each with the public per-chip figures a plan projects step times from.
+"""Device topologies to compile for without running on them: TPU slices (through libtpu's topology descriptions), a
+node of N GPUs of the attached GPU's kind (XLA:GPU cross-compiling for compile-only devices), and N host CPU devices
+standing in for a GPU node; each with the public per-chip figures a plan projects step times from.
 
     target = topology.resolve("v5e:2x4")   # 8 TPU v5e chips: their devices, HBM, bandwidths, peak flops
+    target = topology.resolve("gpu:8")   # 8 GPUs like the one attached (needs one NVIDIA GPU, not 8)
     target = topology.resolve("cpu:8", capacity_gib=131)   # 8 host devices, 131 GiB each (an H200 node)
 
 TPU figures per chip (Google Cloud's TPU pages, read 2026-11-25; ICI is the bidirectional figure per chip, v4's from
@@ -41,6 +43,12 @@ CHIPS = {
 # A host-CPU stand-in for a GPU node: the device's memory comes from --capacity-gib; bandwidths of an H100 SXM
 # (3.35 TB/s HBM, 989 dense bf16 TFLOP/s, 450 GB/s NVLink each way) so that projections read as a GPU node's.
 CPU_STANDIN = Chip("host CPU device (GPU stand-in: H100 SXM figures)", 80, 3350, 989, 900)
+# NVIDIA's datasheet figures for the SXM parts (dense bf16; NVLink 4 at 900 GB/s bidirectional); HBM capacity is the
+# attached device's own allocator limit when one is attached, these GiB otherwise.
+GPUS = {
+    "H100": Chip("NVIDIA H100 SXM", 80, 3350, 989, 900),
+    "H200": Chip("NVIDIA H200 SXM", 141, 4800, 989, 900),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +83,12 @@ def resolve(name: str, capacity_gib: float | None = None) -> Target:
         dims = []
     if generation == "cpu":
         return _cpu_target(name, dims, capacity_gib)
+    if generation == "gpu":
+        return _gpu_target(name, dims, capacity_gib)
     if generation not in CHIPS or not dims or min(dims) < 1:
         raise UserError(
             f"bad topology {name!r}: expected GENERATION:AxB[xC] with GENERATION one of {', '.join(CHIPS)} "
-            "(e.g. v5e:2x4, v5p:4x4x4), or cpu:N"
+            "(e.g. v5e:2x4, v5p:4x4x4), gpu:N or cpu:N"
         )
     try:
         from jax.experimental import topologies  # needs libtpu, an optional dependency (the tpu extra)
@@ -108,6 +118,34 @@ def _cpu_target(name: str, dims: list[int], capacity_gib: float | None) -> Targe
         )
     chip = dataclasses.replace(CPU_STANDIN, hbm_gib=capacity_gib or CPU_STANDIN.hbm_gib)
     return Target(name, chip, tuple(cpus[:count]), count, int(chip.hbm_gib * GIB))
+
+
+def _gpu_target(name: str, dims: list[int], capacity_gib: float | None) -> Target:
+    """N compile-only GPUs of the attached one's kind, one node (`1x1xN`): XLA:GPU compiles the sharded program for
+    them as it would for a real node, from a machine with a single GPU."""
+    if len(dims) != 1 or dims[0] < 1:
+        raise UserError(f"bad topology {name!r}: expected gpu:N with N >= 1 GPUs")
+    (count,) = dims
+    try:
+        attached = jax.devices("gpu")
+    except RuntimeError:
+        attached = []
+    if not attached:
+        raise UserError(f"{name} compiles for GPUs like an attached one, and JAX sees no GPU here")
+    try:
+        from jax._src.lib import xla_client
+        from jax.experimental import topologies
+
+        target_config = xla_client.get_topology_for_devices(attached).target_config
+        desc = topologies.get_topology_desc(platform="cuda", target_config=target_config, topology=f"1x1x{count}")
+    except Exception as e:  # this jaxlib cannot describe the node: first line only
+        raise UserError(f"cannot describe {name} for {attached[0].device_kind}: {str(e).splitlines()[0]}") from e
+    kind = attached[0].device_kind
+    base = next((chip for key, chip in GPUS.items() if key in kind), dataclasses.replace(GPUS["H100"], name=kind))
+    limit = (attached[0].memory_stats() or {}).get("bytes_limit")
+    hbm_gib = capacity_gib or (limit / GIB if limit else base.hbm_gib)
+    chip = dataclasses.replace(base, hbm_gib=hbm_gib)
+    return Target(name, chip, tuple(desc.devices), count, int(hbm_gib * GIB))
 
 
 def request_host_devices(name: str) -> None:
