@@ -155,7 +155,7 @@ def test_round_cost_extrapolated_over_layers_equals_the_whole_trunk_unrolled():
     _, hlo = planning.compile_rolled_round(model, work, 2, state)
     projected = planning.round_cost(cfg, jnp.bfloat16, rules, work, 2, state, hlo)
     whole = planning.compile_round(model, work, 2, state, unroll=True)
-    assert projected.flops == pytest.approx(planning._cost_of(whole)[1], rel=0.02)
+    assert projected.flops == pytest.approx(whole.cost_analysis()["flops"], rel=0.02)
     assert projected.hbm_bytes == hlo_traffic.hbm_bytes(hlo)
 
 
@@ -220,6 +220,7 @@ def test_plan_cli_writes_the_contract_fields(tmp_path):
     "args, message",
     [
         (["--topology", "v7x:2x2"], "bad topology"),
+        (["--topology", "gpu:8"], "JAX sees no GPU here"),  # gpu:N describes GPUs like an attached one
         (["--topology", "v5p:2x2x1", "--mesh", "data=3,model=1", "--max-new-tokens", "32"], "lay out here"),
         (["--topology", "v5e:2x2", "--max-new-tokens", "100000"], "context"),
         (["--topology", "v5e:2x2", "--weights", "fp4"], "invalid choice"),
