@@ -124,6 +124,17 @@ def legal_sizes(target) -> list[str]:
     return found
 
 
+def memory_line(memory: dict) -> str:
+    """One line of a plan's memory report, GiB per device."""
+    if memory["total"] is None:
+        return f"memory per device: params {gib(memory['params'])} GiB; does not fit ({memory['reason']})"
+    return (
+        f"memory per device: params {gib(memory['params'])}, caches {gib(memory['caches'])}, other temporaries "
+        f"{gib(memory['temporaries'])}, total {gib(memory['total'])} / {gib(memory['capacity'])} GiB: "
+        f"{'fits' if memory['fits'] else 'does not fit'} (compiled in {memory['compile_seconds']:.0f} s)"
+    )
+
+
 def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | None) -> dict:
     """One mesh's plan (see the module doc)."""
     rules = sharding.ShardingRules(sharding.make_mesh(spec, target.devices))
@@ -138,6 +149,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     state = planning.start_state(model, work, k)
     memory = planning.memory_report(model, work, target, state)
     memory.pop("program", None)
+    print(memory_line(memory), file=sys.stderr)  # the answer to "does it fit" before minutes of cost compiles
     found, hlo = planning.compile_rolled_round(model, work, k, state)
     plain_state = planning.start_state(model, work, 0) if k else state
     plain_hlo = planning.compile_rolled_round(model, work, 0, plain_state)[1] if k else hlo

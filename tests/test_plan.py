@@ -214,6 +214,9 @@ def test_plan_cli_writes_the_contract_fields(tmp_path):
     assert tps["mtp"] == pytest.approx(1000 * 8 * per_round / plan["mtp_round"]["projected_ms"])
     assert {p.name for p in (tmp_path / "hlo").iterdir()} == {"plain_step.hlo.txt", "mtp_round.hlo.txt"}
     assert "| tiny | v5e:2x2 |" in proc.stdout
+    memory = plan["per_chip_bytes"]  # said on stderr before the cost compiles, as the table says it
+    said = f"total {memory['total'] / 2**30:.2f} / {memory['capacity'] / 2**30:.2f} GiB: fits"
+    assert f"memory per device: params {memory['params'] / 2**30:.2f}," in proc.stderr and said in proc.stderr
 
 
 @pytest.mark.parametrize(
