@@ -107,7 +107,7 @@ def load_target(args, notes: list[str]):
         model = causal_lm.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
         model = quantize_model(model if mesh is None else shard_model(model, mesh), args.weights)
         return (
-            causal_lm.apply_layer_layout(model, args.layer_layout),
+            causal_lm.hold_for_platform(model, args.layer_layout),
             None,
             f"random weights, shape {args.random_shape}",
             None,
@@ -115,7 +115,7 @@ def load_target(args, notes: list[str]):
     path = local_path(args.model) if args.model else None  # a repo id: its snapshot folder, for the peer too
     model, tokenizer = checkpoint.load(path, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
     path = path or default_gguf_path()
-    model = causal_lm.apply_layer_layout(model, args.layer_layout)
+    model = causal_lm.hold_for_platform(model, args.layer_layout)
     if args.peer is False:
         return model, tokenizer, path, None
     if os.path.isdir(path) and checkpoint.is_converted(path):

@@ -386,7 +386,7 @@ def load_for_decoding(args, records) -> tuple:
     except ValueError as e:
         raise UserError(f"--mesh: {e}") from None
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
-    model = causal_lm.apply_layer_layout(model, args.layer_layout)
+    model = causal_lm.hold_for_platform(model, args.layer_layout)
     cfg = model.config
     num_draft = choose_num_draft(args, cfg.has_mtp)
     prompts = encode_prompts(

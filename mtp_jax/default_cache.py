@@ -151,6 +151,7 @@ def write_cached(folder: str, model: CausalLM, tokenizer, fields: dict) -> None:
     for path, v in nnx.to_flat_state(nnx.state(model)):
         path, value = tuple(str(p) for p in path), v.get_value()
         if isinstance(value, QuantizedArray):  # as stored: path/values, path/scales (and path/mins)
+            value = value.as_stored()
             parts = {"values": value.values, "scales": value.scales, "mins": value.mins}
             params |= {(*path, part): np.asarray(a) for part, a in parts.items() if a is not None}
         else:

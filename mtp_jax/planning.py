@@ -31,7 +31,7 @@ from mtp_jax.config import DecodeConfig, ModelConfig
 from mtp_jax.hlo_collectives import collectives
 from mtp_jax.hlo_traffic import hbm_bytes
 from mtp_jax.models import loops
-from mtp_jax.models.causal_lm import CausalLM, apply_layer_layout
+from mtp_jax.models.causal_lm import CausalLM, hold_for_platform
 from mtp_jax.quant import quantize_model
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.topology import Target
@@ -64,10 +64,10 @@ def abstract_model(
     cfg: ModelConfig, dtype, rules: sharding.ShardingRules, weights: str = "auto", layout: str = "auto"
 ) -> CausalLM:
     """The model with every parameter a `ShapeDtypeStruct` in its sharding (no memory), rules attached; its matmul
-    weights stored as `weights` says (`quant.quantize_model`), its layers held as `layout` says for the rules' devices
-    (`causal_lm.apply_layer_layout`)."""
+    weights stored as `weights` says (`quant.quantize_model`), held as decode holds them on the rules' devices
+    (`causal_lm.hold_for_platform`: layers as `layout` says, float8 values as bits on a CPU)."""
     platform = sharding.mesh_platform(rules.mesh)
-    build = lambda: apply_layer_layout(quantize_model(CausalLM(cfg, dtype=dtype), weights), layout, platform)
+    build = lambda: hold_for_platform(quantize_model(CausalLM(cfg, dtype=dtype), weights), layout, platform)
 
     def spec(leaf, axes):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rules.sharding(axes, leaf.shape))

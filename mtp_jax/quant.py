@@ -82,6 +82,7 @@ class QuantizedArray:
     dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
     mins: jax.Array | None = None
     packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    bits_of: jnp.dtype | None = dataclasses.field(default=None, metadata=dict(static=True))  # `hold_float8_as_bits`
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -98,8 +99,15 @@ class QuantizedArray:
         return self.values.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
 
     def levels(self) -> jax.Array:
-        """The stored values in the weight's shape (4-bit ones unpacked, as uint8)."""
-        return unpack_nibbles(self.values) if self.packed else self.values
+        """The stored values in the weight's shape (4-bit ones unpacked, as uint8; float8 bits read as float8)."""
+        if self.packed:
+            return unpack_nibbles(self.values)
+        return self.values if self.bits_of is None else jax.lax.bitcast_convert_type(self.values, self.bits_of)
+
+    def as_stored(self) -> QuantizedArray:
+        """This weight with float8 values held as bits (`hold_float8_as_bits`) back in their float8 type: as files
+        and checkpoints store it."""
+        return self if self.bits_of is None else dataclasses.replace(self, values=self.levels(), bits_of=None)
 
     def dequantize(self) -> jax.Array:
         w = self.levels().astype(jnp.float32) * expand_blocks(self.scales.astype(jnp.float32), self.shape)
@@ -421,6 +429,21 @@ def quantize_model(model, weights: str):
             place = lambda leaf, layout=layout: jax.device_put(leaf, rules.sharding(layout, leaf.shape))
             quantized = jax.tree.map(place, quantized)
         param.set_value(quantized)
+    return model
+
+
+def hold_float8_as_bits(model):
+    """Hold every float8 weight's values as their bits (uint8; `QuantizedArray.bits_of` names the float8 type) in
+    place, and return `model`: how decode holds them on a CPU. XLA:CPU has no float8 arithmetic and converts a float8
+    parameter to float16 whole, once, before the loop that reads it: a copy twice the size of the weights, made at
+    every call. Bits read back as float8 inside the layer are converted one layer's slice at a time (same values)."""
+    for _, param in nnx.iter_graph(model):
+        value = param.get_value() if isinstance(param, nnx.Param) else None
+        if isinstance(value, QuantizedArray) and not value.packed and value.bits_of is None:
+            dtype = jnp.dtype(value.values.dtype)
+            if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+                bits = jax.lax.bitcast_convert_type(value.values, jnp.uint8)
+                param.set_value(dataclasses.replace(value, values=bits, bits_of=dtype))
     return model
 
 

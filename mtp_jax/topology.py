@@ -17,6 +17,7 @@ import math
 import os
 
 import jax
+from jax._src.lib import xla_client  # the attached GPU's compile target (get_topology_for_devices)
 
 from mtp_jax.errors import UserError
 
@@ -133,7 +134,6 @@ def _gpu_target(name: str, dims: list[int], capacity_gib: float | None) -> Targe
     if not attached:
         raise UserError(f"{name} compiles for GPUs like an attached one, and JAX sees no GPU here")
     try:
-        from jax._src.lib import xla_client
         from jax.experimental import topologies
 
         target_config = xla_client.get_topology_for_devices(attached).target_config

@@ -25,7 +25,7 @@ from mtp_jax.models.hybrid_stack import GroupStack
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.rowwise import project
 from mtp_jax.models.stacked_weights import layer_parameters, split_stack
-from mtp_jax.quant import is_quantized, take_columns, take_quantized_rows, take_rows
+from mtp_jax.quant import hold_float8_as_bits, is_quantized, take_columns, take_quantized_rows, take_rows
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain, param_layouts
 
 
@@ -297,3 +297,10 @@ def apply_layer_layout(model: CausalLM, layout: str = "auto", platform: str | No
     if layout == "auto":
         layout = preferred_layout(platform or jax.default_backend(), is_quantized(model))
     return unstack_layers(model) if layout == "unstacked" else model
+
+
+def hold_for_platform(model: CausalLM, layout: str = "auto", platform: str | None = None) -> CausalLM:
+    """`model` held as decode runs it on `platform` (default: the default backend's): its layers as `layout` says
+    (`apply_layer_layout`), and on a CPU its float8 weights as their bits (`quant.hold_float8_as_bits`)."""
+    model = apply_layer_layout(model, layout, platform)
+    return hold_float8_as_bits(model) if (platform or jax.default_backend()) == "cpu" else model

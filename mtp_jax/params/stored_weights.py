@@ -43,6 +43,7 @@ def split_quantized(params: dict[ParamPath, object]) -> tuple[dict[ParamPath, ob
     flat, manifest = {}, {}
     for path, value in params.items():
         if isinstance(value, QuantizedArray):
+            value = value.as_stored()
             flat[path] = {"values": value.values, "scales": value.scales}
             flat[path] |= {} if value.mins is None else {"mins": value.mins}
             manifest["/".join(path)] = {
