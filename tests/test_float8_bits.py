@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from test_layer_layout import MODELS, decode, prompts_for
+from test_plan import run_plan
 
 from mtp_jax import planning, quant, sharding, topology
 from mtp_jax.models.causal_lm import CausalLM
@@ -69,3 +70,13 @@ def test_generate_program_drops_the_float16_copy_of_float8_weights():
     saved = temporaries[False] - temporaries[True]
     print(f"temporaries: float8 {temporaries[False]}, bits {temporaries[True]}; trunk float8 values {trunk}")
     assert saved >= 2 * trunk * (layers - 1) / layers
+
+
+def test_plan_of_float8_experts_split_over_host_devices():
+    """`plan` on `cpu:2` holds float8 weights as bits, the routed experts split over 2 devices inside shard_map
+    (whose specs carry the weights' bits type): it compiles, and the tiny model fits."""
+    plan_args = ("--random-shape", "deepseek-v3-tiny", "--topology", "cpu:2", "--mesh", "data=1,model=1,expert=2",
+                "--weights", "fp8", "--max-new-tokens", "16", "--prompt-len", "8")  # fmt: skip
+    proc = run_plan(*plan_args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GiB: fits" in proc.stderr

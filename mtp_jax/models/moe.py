@@ -22,6 +22,7 @@ Einsum letters (with those of layers.py): M tokens (B * T flattened), E experts,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -150,7 +151,8 @@ def _quantized_spec(
             return None
         parts.append(None if n == 1 else part)
     scales = PartitionSpec(*parts)
-    return QuantizedArray(spec, scales, weight.dtype, None if weight.mins is None else scales, weight.packed)
+    mins = None if weight.mins is None else scales
+    return dataclasses.replace(weight, values=spec, scales=scales, mins=mins)  # its static fields kept
 
 
 class MoE(nnx.Module):
