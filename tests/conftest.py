@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 
 # Tests run tiny models, where XLA's compile time dwarfs run time: compile with most optimizations off (also in the
 # subprocesses and notebook kernels the tests start, which inherit the environment), except where a test runs the
 # real default model (`optimized_compiles`). Benchmarks never run this way.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# XLA:CPU's older fusion emitters compile these programs in about 60% of the time the MLIR fusion emitters take
-# (tiny models' generate programs, plain and with drafts: 5.3-5.8 s against 8.5-8.8 s for four).
-if "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 # libtpu is installed for the plans' TPU-topology compiles: JAX itself stays on the host CPU (no TPU runtime is
 # started or locked), and test workers may each load libtpu's compiler at once.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -25,6 +23,23 @@ import jax
 import pytest
 
 from mtp_jax.errors import UserError
+
+# XLA:CPU's older fusion emitters compile these programs in about 60% of the time the MLIR fusion emitters take
+# (tiny models' generate programs, plain and with drafts: 5.3-5.8 s against 8.5-8.8 s for four; the suite 825 s
+# against 1341 s).
+FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def pytest_configure(config):
+    """Ask for FAST_COMPILE_FLAG before any test starts JAX's backend, in the first process only (test workers,
+    children and notebook kernels inherit it), and only where this jaxlib's XLA knows the flag: an unknown flag would
+    abort every process."""
+    if hasattr(config, "workerinput") or "--xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", ""):
+        return
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+    probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+    if subprocess.run(probe, env={**os.environ, "XLA_FLAGS": flags}, capture_output=True).returncode == 0:
+        os.environ["XLA_FLAGS"] = flags
 
 
 def pytest_sessionstart(session):
