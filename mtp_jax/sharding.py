@@ -367,9 +367,8 @@ def one_device_active() -> bool:
 
 
 def mesh_platform(mesh) -> str:
-    """The platform of a mesh's devices, "cpu", "gpu" or "tpu" (compile-only GPUs name theirs "cuda" or "rocm")."""
-    platform = next(iter(mesh.devices.flat)).platform
-    return "gpu" if platform in ("cuda", "rocm") else platform
+    """The platform of a mesh's devices: "cpu", "gpu" or "tpu" (compile-only devices name theirs alike)."""
+    return next(iter(mesh.devices.flat)).platform
 
 
 def active_platform() -> str:

@@ -44,11 +44,11 @@ CHIPS = {
 # A host-CPU stand-in for a GPU node: the device's memory comes from --capacity-gib; bandwidths of an H100 SXM
 # (3.35 TB/s HBM, 989 dense bf16 TFLOP/s, 450 GB/s NVLink each way) so that projections read as a GPU node's.
 CPU_STANDIN = Chip("host CPU device (GPU stand-in: H100 SXM figures)", 80, 3350, 989, 900)
-# NVIDIA's datasheet figures for the SXM parts (dense bf16; NVLink 4 at 900 GB/s bidirectional); HBM capacity is the
-# attached device's own allocator limit when one is attached, these GiB otherwise.
+# NVIDIA's datasheet figures for the SXM parts (80 and 141 GB of HBM, in GiB; dense bf16; NVLink 4 at 900 GB/s
+# bidirectional). Not the attached device's allocator limit: JAX's takes 75% of the memory by default.
 GPUS = {
-    "H100": Chip("NVIDIA H100 SXM", 80, 3350, 989, 900),
-    "H200": Chip("NVIDIA H200 SXM", 141, 4800, 989, 900),
+    "H100": Chip("NVIDIA H100 SXM", 80e9 / 1024**3, 3350, 989, 900),
+    "H200": Chip("NVIDIA H200 SXM", 141e9 / 1024**3, 4800, 989, 900),
 }
 
 
@@ -142,10 +142,8 @@ def _gpu_target(name: str, dims: list[int], capacity_gib: float | None) -> Targe
         raise UserError(f"cannot describe {name} for {attached[0].device_kind}: {str(e).splitlines()[0]}") from e
     kind = attached[0].device_kind
     base = next((chip for key, chip in GPUS.items() if key in kind), dataclasses.replace(GPUS["H100"], name=kind))
-    limit = (attached[0].memory_stats() or {}).get("bytes_limit")
-    hbm_gib = capacity_gib or (limit / GIB if limit else base.hbm_gib)
-    chip = dataclasses.replace(base, hbm_gib=hbm_gib)
-    return Target(name, chip, tuple(desc.devices), count, int(hbm_gib * GIB))
+    chip = dataclasses.replace(base, hbm_gib=capacity_gib or base.hbm_gib)
+    return Target(name, chip, tuple(desc.devices), count, int(chip.hbm_gib * GIB))
 
 
 def request_host_devices(name: str) -> None:
