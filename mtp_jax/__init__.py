@@ -3,7 +3,7 @@
 from mtp_jax import flax_import  # noqa: F401  (first: flax without IPython)
 from mtp_jax.checkpoint import load, load_model
 from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
-from mtp_jax.models.causal_lm import CausalLM, unstack_layers
+from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative import GenerateOutput, generate, generate_chunks
 from mtp_jax.text import TextOutput, TextResult, generate_text
@@ -22,6 +22,7 @@ __all__ = [
     "generate",
     "generate_chunks",
     "generate_text",
+    "hold_for_platform",
     "load",
     "load_model",
     "stream_text",
