@@ -14,9 +14,7 @@ _BYTES = {
 }  # fmt: skip
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-# An operand's name: `%name` in compiled text, bare `name` in the text of a program before optimization; never a
-# type printed inline (`f32[2,3]{1,0}`).
-OPERAND = re.compile(r"(?<![\w.\-%])%?([A-Za-z_][\w.\-]*)(?![\w.\-]*[\[{])")
+OPERAND = re.compile(r"%([\w.\-]+)")
 CALLEES = re.compile(r"\b(?:condition|body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
@@ -130,8 +128,8 @@ _LHS_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([0-9,]*)\}|"lhs_contract
 def dot_flops(hlo: str) -> int:
     """2 x multiply-adds of every product in compiled `hlo` (`dot`s, in fusions too, and XLA:GPU's gemm library
     calls), times the runs of its computation: the products' flops per device, counted from the text, for
-    executables that have no cost analysis (cross-compiled for compile-only GPUs). Operand types are read inline
-    where the text prints them, else off the operand's defining instruction."""
+    executables that have no cost analysis (cross-compiled for compile-only GPUs). The left operand's type is read
+    off its defining instruction."""
     bodies, entry = computations(hlo)
     runs = executions(bodies, entry)
     total = 0
@@ -141,8 +139,8 @@ def dot_flops(hlo: str) -> int:
             contracting = _LHS_CONTRACTING.search(rest) if op in ("dot", "custom-call") else None
             if contracting is None:
                 continue
-            lhs = _first_operand(rest)
-            shape = _ARRAY.search(lhs) or _ARRAY.search(table[lhs.lstrip("%")][0])
+            lhs = OPERAND.findall(rest.partition(")")[0])[0]
+            shape = _ARRAY.search(table[lhs][0])
             dims = [int(d) for d in filter(None, shape.group(2).split(","))]
             depth = 1
             for axis in filter(None, (contracting.group(1) or contracting.group(2)).replace('"', "").split(",")):
@@ -152,17 +150,3 @@ def dot_flops(hlo: str) -> int:
                 outputs *= int(d)
             total += 2 * outputs * depth * runs[name]
     return total
-
-
-def _first_operand(rest: str) -> str:
-    """The first operand of an instruction's operand list (`rest` starts inside its parentheses): a name, or a type
-    and a name where the text prints types inline."""
-    depth = 0
-    for i, char in enumerate(rest):
-        if char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        elif char in ",)" and depth == 0:
-            return rest[:i].strip()
-    return rest.strip()
