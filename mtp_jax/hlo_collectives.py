@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mtp_jax.hlo_text import INSTRUCTION, OPERAND, array_bytes, computations, executions
+from mtp_jax.hlo_text import INSTRUCTION, OPERAND, array_bytes, loop_runs
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 
@@ -33,11 +33,11 @@ class Collective:
         return max(self.operand_bytes, self.result_bytes) * self.count
 
 
-def collectives(hlo: str) -> list[Collective]:
+def collectives(hlo: str, loop: str | None = None) -> list[Collective]:
     """Every collective of the program in `hlo` (compiled HLO text), grouped by kind and result type, largest total
-    first. Asynchronous pairs count once (the collective, not its start or done wrappers)."""
-    bodies, entry = computations(hlo)
-    runs = executions(bodies, entry)
+    first, counted per execution (with `loop`: per iteration of its loop of that name, `hlo_text.loop_runs`).
+    Asynchronous pairs count once (the collective, not its start or done wrappers)."""
+    bodies, runs = loop_runs(hlo, loop)
     parsed = [m for lines in bodies.values() for m in map(INSTRUCTION.match, lines) if m]
     result_bytes = {m.group(1): array_bytes(m.group(2)) for m in parsed}  # instruction name -> bytes of its result
     found: dict[tuple[str, str], list[int]] = {}

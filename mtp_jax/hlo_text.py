@@ -97,6 +97,25 @@ def trip_count(line: str, caller: dict, bodies: dict[str, list[str]]) -> int:
     return max(limit - start, 0)
 
 
+def callees(line: str) -> list[str]:
+    """The computations an instruction line calls: loop condition and body, reducers, fused and wrapped
+    computations, conditional branches."""
+    found = CALLEES.findall(line)
+    for branches in _BRANCHES.findall(line):
+        found += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
+    return found
+
+
+def named_loop(bodies: dict[str, list[str]], entry: str, loop: str) -> tuple[str, str]:
+    """(condition, body) of the ENTRY computation's one while loop traced under the named scope `loop`
+    (`jax.named_scope(loop)`: its op_name holds "/loop/")."""
+    whiles = [rest for _, op, rest in instructions(bodies[entry]).values() if op == "while" and f"/{loop}/" in rest]
+    if len(whiles) != 1:
+        raise ValueError(f"expected one while loop named {loop!r} in the entry computation, found {len(whiles)}")
+    condition, body = (re.search(rf"\b{key}=%?([\w.\-]+)", whiles[0]).group(1) for key in ("condition", "body"))
+    return condition, body
+
+
 def executions(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
     """How many times each computation runs per execution of ENTRY."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -104,10 +123,7 @@ def executions(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
         table = instructions(lines)
         for line in lines:
             times = trip_count(line, table, bodies) if " while(" in line else 1
-            callees = CALLEES.findall(line)
-            for branches in _BRANCHES.findall(line):
-                callees += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
-            calls[name] += [(callee, times) for callee in callees if callee in bodies]
+            calls[name] += [(callee, times) for callee in callees(line) if callee in bodies]
     runs: Counter = Counter()
 
     def visit(name: str, times: int, depth: int = 0):
@@ -119,6 +135,18 @@ def executions(bodies: dict[str, list[str]], entry: str) -> dict[str, int]:
 
     visit(entry, 1)
     return runs
+
+
+def loop_runs(hlo: str, loop: str | None = None) -> tuple[dict[str, list[str]], Counter]:
+    """(computations of `hlo`, how many times each runs): per execution of the program; with `loop`, per iteration
+    of the ENTRY computation's loop of that name (`named_loop`), its condition and body."""
+    bodies, entry = computations(hlo)
+    if loop is None:
+        return bodies, executions(bodies, entry)
+    runs: Counter = Counter()
+    for root in named_loop(bodies, entry, loop):
+        runs.update(executions(bodies, root))
+    return bodies, runs
 
 
 # A dot's contracting axes of its left operand: HLO's attribute, or XLA:GPU's library-call config (cuBLAS gemms).

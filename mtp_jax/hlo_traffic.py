@@ -15,16 +15,26 @@ and 1.03 GiB per chip). Here each top-level instruction of a computation that ru
     nothing more;
   - shape-only instructions (parameters, tuples, bitcasts, async done halves, the loop and call wrappers, TPU's
     `ConcatBitcast` of slices already fetched): nothing.
-Conditional branches count as if taken, an upper bound (`hlo_text.executions`).
+A conditional counts its costliest branch (one runs: an upper bound).
 
     hbm_bytes(compiled.as_text())  # bytes one execution moves, per device
+    hbm_bytes(compiled.as_text(), "decode_loop")  # bytes one iteration of its loop of that name moves
 """
 
 from __future__ import annotations
 
 import re
 
-from mtp_jax.hlo_text import INSTRUCTION, OPERAND, array_bytes, computations, executions
+from mtp_jax.hlo_text import (
+    INSTRUCTION,
+    OPERAND,
+    array_bytes,
+    callees,
+    computations,
+    instructions,
+    named_loop,
+    trip_count,
+)
 
 _FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional", "after-all",
@@ -38,20 +48,47 @@ _UPDATE_OPERAND = {"dynamic-update-slice": 1, "scatter": 2}
 _TYPED_ARRAY = re.compile(r"([a-z][a-z0-9]*\[[0-9,]*\])(\{[^}]*\})?")  # an array type and its layout
 
 
-def hbm_bytes(hlo: str) -> int:
-    """Bytes the program in `hlo` (compiled HLO text) reads and writes per execution (see the module doc)."""
+def hbm_bytes(hlo: str, loop: str | None = None) -> int:
+    """Bytes the program in `hlo` (compiled HLO text) reads and writes per execution (see the module doc); with
+    `loop`, per iteration of its loop of that name (`hlo_text.named_loop`: a decode loop after what it prepares)."""
     bodies, entry = computations(hlo)
-    runs = executions(bodies, entry)
     tables = {name: _parse(lines) for name, lines in bodies.items()}
     types = {name: result for table in tables.values() for name, (result, _, _, _) in table.items()}
-    inner = _inner_computations(tables)
-    total = 0
-    for name, table in tables.items():
-        if name in inner or not runs[name]:
-            continue
-        for result, op, operands, rest in table.values():
-            total += runs[name] * _instruction_bytes(result, op, operands, rest, types, tables)
-    return total
+    count = _Traffic(bodies, tables, types)
+    roots = named_loop(bodies, entry, loop) if loop is not None else (entry,)
+    return sum(count.bytes_of(root) for root in roots)
+
+
+class _Traffic:
+    """Bytes of one execution of a computation, with everything it runs: loop bodies times their trip counts, one
+    conditional branch (the costliest) per conditional; fused and wrapped computations are their instruction's."""
+
+    def __init__(self, bodies: dict[str, list[str]], tables: dict, types: dict):
+        self.bodies, self.tables, self.types = bodies, tables, types
+        self.inner = _inner_computations(tables)
+        self.memo: dict[str, int] = {}
+
+    def bytes_of(self, name: str, depth: int = 0) -> int:
+        if name in self.memo:
+            return self.memo[name]
+        if depth > 64:  # HLO computations form a DAG; a deeper chain means a parse went wrong
+            raise ValueError(f"HLO call chain through {name} deeper than 64")
+        table, total = self.tables[name], 0
+        raw = instructions(self.bodies[name])
+        for line in self.bodies[name]:
+            match = INSTRUCTION.match(line)
+            if not match:
+                continue
+            result, op, operands, rest = table[match.group(1)]
+            total += _instruction_bytes(result, op, operands, rest, self.types, self.tables)
+            called = [c for c in callees(line) if c in self.bodies and c not in self.inner]
+            if op == "conditional" and called:  # one branch runs: the costliest bounds it
+                total += max(self.bytes_of(c, depth + 1) for c in called)
+            else:
+                times = trip_count(line, raw, self.bodies) if op == "while" else 1
+                total += times * sum(self.bytes_of(c, depth + 1) for c in called)
+        self.memo[name] = total
+        return total
 
 
 def _parse(lines: list[str]) -> dict[str, tuple[str, str, list[str], str]]:

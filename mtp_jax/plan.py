@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax import planning, shapes, sharding, topology
+from mtp_jax import planning, shapes, sharding, speculative, topology
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
 from mtp_jax.decode import check_output_path, positive_int
 from mtp_jax.errors import OneLineParser, UserError, exit_process, run_cli
 from mtp_jax.families.registry import family_of
 from mtp_jax.files import write_atomically
+from mtp_jax.hlo_collectives import collectives
 from mtp_jax.hub import local_path
 from mtp_jax.models.causal_lm import preferred_layout
 from mtp_jax.planning import PARAM_SIZED
@@ -148,11 +149,12 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     work = dataclasses.replace(work, num_draft=k)
     state = planning.start_state(model, work, k)
     memory = planning.memory_report(model, work, target, state)
-    memory.pop("program", None)
+    program = memory.pop("program", None)  # generate's, for rounds of k
     print(memory_line(memory), file=sys.stderr)  # the answer to "does it fit" before minutes of cost compiles
-    found, hlo = planning.compile_rolled_round(model, work, k, state)
+    hlo = planning.round_program(model, work, k, state, program)
+    found = collectives(hlo, speculative.DECODE_LOOP)
     plain_state = planning.start_state(model, work, 0) if k else state
-    plain_hlo = planning.compile_rolled_round(model, work, 0, plain_state)[1] if k else hlo
+    plain_hlo = planning.round_program(model, work, 0, plain_state) if k else hlo
     if dump_hlo:
         write_hlo(dump_hlo, "plain_step", plain_hlo)
         if k:

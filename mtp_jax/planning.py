@@ -4,8 +4,9 @@ Nothing runs on the topology: parameters are `jax.ShapeDtypeStruct`s in their sh
 through libtpu) the same jitted programs `generate` runs. From them:
   - memory per device: parameters and caches (from their shardings), XLA's temporaries, the total against capacity;
   - the collectives of one decode round (its HLO, each counted as often as it runs);
-  - HBM bytes of one plain step and one MTP round, read off the round's compiled HLO (`hlo_traffic`: in-place
-    updates and slices count what they touch, loop bodies count per iteration);
+  - HBM bytes of one plain step and one MTP round, read off one iteration of the decode loop of `generate`'s
+    compiled HLO (`hlo_traffic`: in-place updates and slices count what they touch, loop bodies count per
+    iteration; what the program prepares once before its loop is not a round's);
   - their flops: XLA's cost analysis of the round compiled by itself with its loops unrolled (a loop body is
     otherwise counted once); layers cost the same, so the round is compiled for the trunk cut to two repeats of each
     segment, and once more with one more repeat per segment, and the difference extrapolated to the full depth.
@@ -105,11 +106,15 @@ def _start(graphdef, params, ids, lens, key, sampling, cfg: DecodeConfig):
         return speculative.start_state(model, ids, lens, key, sampling, cfg, greedy=True)
 
 
-def _round(graphdef, cfg: DecodeConfig, unroll: bool, params, caches, state, sampling):
+def _rounds(graphdef, cfg: DecodeConfig, unroll: bool, params, caches, state, sampling):
+    """The decode loop as `generate` runs it from the prefill's state: the weights prepared for the loop
+    (`speculative.round_step`), then rounds until every row is done. A plan reads one round off the loop's body."""
     model = nnx.merge(graphdef, params)
     with sharding.activate(model.sharding_rules), loops.unrolled() if unroll else contextlib.nullcontext():
         state = state.replace(cache=caches[0], mtp_cache=caches[1])
-        return speculative.round_step(model, cfg, sampling, greedy=True)(state)
+        body = speculative.round_step(model, cfg, sampling, greedy=True)
+        with jax.named_scope(speculative.DECODE_LOOP):
+            return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
 def compile_generate(model: CausalLM, work: Workload):
@@ -131,15 +136,18 @@ def start_state(model: CausalLM, work: Workload, num_draft: int, shardings=None)
 
 
 def compile_round(model: CausalLM, work: Workload, num_draft: int, state=None, unroll: bool = False):
-    """One round of the decode loop by itself, compiled (see `lower_round`)."""
+    """The decode loop of rounds by itself, compiled (see `lower_round`)."""
     return lower_round(model, work, num_draft, state, unroll).compile()
 
 
 def lower_round(model: CausalLM, work: Workload, num_draft: int, state=None, unroll: bool = False):
-    """One round of the decode loop by itself (k = num_draft drafts; 0: a plain step), from the prefill's state,
-    with its loops unrolled if `unroll` (a static argument, so a rolled compile is never reused for it), lowered.
-    Its caches are donated, so they are updated in place as in the loop, and XLA picks their layout (the loop pins
-    the one attention reads)."""
+    """The decode loop (rounds of k = num_draft drafts; 0: plain steps) by itself, from the prefill's state, with
+    the model's loops unrolled if `unroll` (a static argument, so a rolled compile is never reused for it),
+    lowered. What a round moves is one iteration of its loop (`hlo_traffic.hbm_bytes(hlo, speculative.DECODE_LOOP)`);
+    XLA's cost analysis counts the body once.
+    As in `generate`, the loop reads the weights as prepared before it (`quant.prepare_for_loop`): work on the
+    weights alone, made once there, is not a round's. Its caches are donated, so they are updated in place as in
+    `generate`, and XLA picks their layout (the loop pins the one attention reads)."""
     graphdef, params = nnx.split(model)
     state = start_state(model, work, num_draft) if state is None else state
     sampling = _inputs(model, work)[3]
@@ -148,7 +156,7 @@ def lower_round(model: CausalLM, work: Workload, num_draft: int, state=None, unr
     auto = jax.tree.map(lambda leaf: Format(Layout.AUTO, leaf.sharding), caches)
     out = shardings(rest).replace(cache=auto[0], mtp_cache=auto[1])  # the state out, caches in XLA's layout too
     program = jax.jit(
-        _round,
+        _rounds,
         static_argnums=(0, 1, 2),
         donate_argnums=(4,),
         in_shardings=(shardings(params), auto, shardings(rest), shardings(sampling)),
@@ -202,9 +210,10 @@ def round_cost(
     layout: str = "auto",
 ) -> RoundCost:
     """HBM bytes, flops and interconnect bytes per device of one round at the full depth: bytes and interconnect
-    bytes read off `hlo`, the round's own compiled HLO (loops rolled, bodies counted per execution:
-    `hlo_traffic`, `hlo_collectives`); flops from XLA's cost analysis of the round with its loops unrolled, for the
-    trunk cut to two repeats of each segment and to one more, extrapolated to the full depth (see the module doc).
+    bytes read off one iteration of the decode loop of `hlo` (`round_program`; loops rolled, bodies counted per
+    execution: `hlo_traffic`, `hlo_collectives`); flops from XLA's cost analysis of the round with its loops
+    unrolled, for the trunk cut to two repeats of each segment and to one more, extrapolated to the full depth (see
+    the module doc).
     `state`: the full-depth model's loop state at k = num_draft, whose layouts the cut trunks' states take."""
     full = tuple(s.count for s in cfg.segments())
     base = tuple(min(n, 2) for n in full)
@@ -219,8 +228,8 @@ def round_cost(
     for i, (n, b) in enumerate(zip(full, base, strict=True)):
         if n > b:  # one more repeat of segment i: what each of its layers adds
             total += (n - b) * (flops(tuple(r + (j == i) for j, r in enumerate(base))) - at_base)
-    moved = sum(c.moved_bytes for c in collectives(hlo))
-    return RoundCost(hbm_bytes=float(hbm_bytes(hlo)), flops=total, ici_bytes=float(moved))
+    moved = sum(c.moved_bytes for c in collectives(hlo, speculative.DECODE_LOOP))
+    return RoundCost(hbm_bytes=float(hbm_bytes(hlo, speculative.DECODE_LOOP)), flops=total, ici_bytes=float(moved))
 
 
 def plain_step_floor(model: CausalLM, state) -> int:
@@ -281,7 +290,16 @@ def memory_report(model: CausalLM, work: Workload, target: Target, state) -> dic
     return {**report, "fits": held <= target.capacity_bytes, "compile_seconds": seconds, "program": compiled}
 
 
-def compile_rolled_round(model: CausalLM, work: Workload, num_draft: int, state):
-    """One round as decoding runs it (loops rolled) from `state`: its collectives and its HLO text."""
-    hlo = compile_round(model, work, num_draft, state).as_text()
-    return collectives(hlo), hlo
+def round_program(model: CausalLM, work: Workload, num_draft: int, state, program=None) -> str:
+    """HLO text of a program whose decode loop runs rounds of k = num_draft drafts as decoding runs them:
+    `program` (`generate`'s, compiled for `work` at that k), or `generate` compiled now (`compile_generate`);
+    where the compiler refuses `generate` for memory, the loop by itself from `state` (`compile_round`). A round
+    is read off its loop (`hlo_traffic.hbm_bytes(hlo, speculative.DECODE_LOOP)`)."""
+    if program is None:
+        try:
+            program = compile_generate(model, dataclasses.replace(work, num_draft=num_draft))
+        except Exception as e:  # the compiler's own refusal of a program that does not fit
+            if not is_out_of_memory(e):
+                raise
+            program = compile_round(model, work, num_draft, state)
+    return program.as_text()

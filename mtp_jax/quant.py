@@ -34,6 +34,7 @@ its 135M weights), and llama.cpp's files keep it 8-bit too. An embedding lookup 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import string
 from collections.abc import Sequence
@@ -445,6 +446,50 @@ def hold_float8_as_bits(model):
                 bits = jax.lax.bitcast_convert_type(value.values, jnp.uint8)
                 param.set_value(dataclasses.replace(value, values=bits, bits_of=dtype))
     return model
+
+
+def prepare_for_loop(model):
+    """Every quantized weight of `model` as the decode loop reads it (`loop_weight`), in place, and return `model`:
+    traced inside jit before the loop (`speculative.round_step`), once per call."""
+    for path, param in list(nnx.iter_graph(model)):
+        value = param.get_value() if isinstance(param, nnx.Param) else None
+        if isinstance(value, QuantizedArray):
+            names = [str(p) for p in path]
+            param.set_value(loop_weight(value, spread_scales_shape(value, names, param_axes(param, "/".join(names)))))
+    return model
+
+
+def loop_weight(weight: QuantizedArray, spread_shape: Sequence[int]) -> QuantizedArray:
+    """`weight` as a decode loop reads it: its scales spread to `spread_shape` (`spread_output_scales`), and the
+    whole weight behind an optimization barrier, which XLA neither sinks back into the loop nor looks through.
+    Compiled for TPU, both save bytes at every step of the loop (DeepSeek-V3's fp8 round: docs/benchmarks.md):
+      - block scales spread inside each round were written out and read back at every step (XLA does not hoist
+        them out of the loop): with DeepSeek-V3's experts about 5% of an fp8 step's bytes; spread once, they cost
+        4 / 128 of the float8 bytes to hold and that much to read;
+      - a weight the loop's products read in another layout than its parameter's (float8 weights whose width is
+        not a multiple of 128, such as latent attention's [7168, 576] kv_a) was copied into it at every step; the
+        barrier's output is the loop's to lay out, so XLA copies such a weight once, before the loop."""
+    spread = spread_output_scales(weight, spread_shape) if tuple(spread_shape) != weight.scales.shape else weight
+    return jax.lax.optimization_barrier(spread)
+
+
+def spread_scales_shape(weight: QuantizedArray, path: Sequence[str], axes: Sequence[str | None]) -> tuple[int, ...]:
+    """The shape of `weight`'s scales (the weight at `path`, logical `axes`) spread over its output axes: each
+    axis the matmul neither contracts nor batches, cut into blocks, takes the weight's size (one scale along the
+    whole axis stays one; 4-bit packed values: as they are). Only float8 weights have blocks along an output axis."""
+    kept = matmul_axes(path, axes)
+    if kept is None or weight.packed:
+        return weight.scales.shape
+    fixed = set(kept[0]) | set(kept[1])
+    sizes = zip(weight.scales.shape, weight.shape, strict=True)
+    return tuple(n if axis in fixed or n == 1 else d for axis, (n, d) in enumerate(sizes))
+
+
+def spread_output_scales(weight: QuantizedArray, shape: Sequence[int]) -> QuantizedArray:
+    """`weight` with its scales spread to `shape` (`spread_scales_shape`): the same products, bit for bit, the
+    scales multiplying the partial products as they lie."""
+    scales = functools.reduce(lambda s, axis: _spread(s, axis, shape[axis]), range(len(shape)), weight.scales)
+    return dataclasses.replace(weight, scales=scales)
 
 
 def is_quantized(model) -> bool:

@@ -32,6 +32,7 @@ from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.fixed_tiles import invariant_products
 from mtp_jax.models.rowwise import lone_rows_exact
 from mtp_jax.prefill import prefill
+from mtp_jax.quant import prepare_for_loop
 from mtp_jax.rounds import Round, RoundKind, round_context, run_round
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import activate, constrain
@@ -92,6 +93,9 @@ def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array):
     return body
 
 
+DECODE_LOOP = "decode_loop"  # the named scope of generate's loop of rounds (hlo_text.loop_runs)
+
+
 def _estimated_costs(model: CausalLM, max_draft: int) -> tuple[float, ...]:
     trunk_bytes, draft_bytes = step_param_bytes(model)
     return estimated_round_costs(trunk_bytes, draft_bytes, max_draft)
@@ -104,7 +108,9 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: Dec
     prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
     with _tracing(model, cfg):
         state = start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy)
-        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), round_step(model, cfg, sampling, greedy), state)
+        body = round_step(model, cfg, sampling, greedy)
+        with jax.named_scope(DECODE_LOOP):  # planning reads a round off this loop's body
+            state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
         return _output(state, cfg, lone)
 
 
@@ -324,8 +330,9 @@ def start_state(model: CausalLM, prompt_ids, prompt_lens, key, sampling, cfg: De
 
 
 def round_step(model: CausalLM, cfg: DecodeConfig, sampling, greedy: bool):
-    """Traced inside jit, with the model's rules active: the loop body `generate` runs (state -> state)."""
-    return _round_body(model, cfg, None if greedy else sampling, eos_ids(model, cfg))
+    """Traced inside jit, with the model's rules active, before the loop: the loop body `generate` runs (state ->
+    state), reading the model's quantized weights as prepared here, once (`quant.prepare_for_loop`)."""
+    return _round_body(prepare_for_loop(model), cfg, None if greedy else sampling, eos_ids(model, cfg))
 
 
 def lower_generate(model: CausalLM, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):

@@ -66,3 +66,35 @@ def test_rolled_and_unrolled_loops_count_alike():
     unrolled = hbm_bytes(compiled_text(functools.partial(run, unroll=True), stacked, x).as_text())
     assert rolled == pytest.approx(unrolled, rel=0.1)
     assert rolled >= stacked.size * F32
+
+
+def test_a_conditional_counts_its_costliest_branch():
+    """One branch of a conditional runs: a matmul by a [512, 512] weight or by another [512, 256] one. The count
+    is the larger branch's, not both branches' (which would add the second weight)."""
+    w, u, x = jnp.ones((512, 512)), jnp.ones((512, 256)), jnp.ones((4, 512))
+
+    def run(flag, w, u, x):
+        return jax.lax.cond(flag, lambda x: jnp.tanh(x @ w), lambda x: jnp.pad(jnp.tanh(x @ u), ((0, 0), (0, 256))), x)
+
+    total = hbm_bytes(compiled_text(run, True, w, u, x).as_text())
+    larger = (w.size + 2 * x.size) * F32
+    assert larger <= total < larger + u.size * F32 // 2
+
+
+def test_a_named_loop_counts_one_iteration_without_what_precedes_it():
+    """A program that reads a [512, 512] weight once (its sum) before a while loop named "steps" whose body
+    multiplies [4, 512] activations by a [512, 512] weight: one iteration moves that weight and the activations,
+    not the first weight; the whole program moves both weights."""
+    w, v, x = jnp.ones((512, 512)), jnp.ones((512, 512)), jnp.ones((4, 512))
+
+    def run(w, v, x, n):
+        x = x + jnp.sum(w)
+        with jax.named_scope("steps"):
+            return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (jnp.tanh(c[0] @ v), c[1] + 1), (x, 0))[0]
+
+    hlo = compiled_text(run, w, v, x, jnp.int32(3)).as_text()
+    one_step = hbm_bytes(hlo, "steps")
+    assert v.size * F32 <= one_step <= (v.size + 4 * x.size) * F32 + 1024
+    assert hbm_bytes(hlo) >= one_step + w.size * F32
+    with pytest.raises(ValueError, match="one while loop named 'rounds'"):
+        hbm_bytes(hlo, "rounds")

@@ -18,11 +18,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtp_jax import hlo_text, hlo_traffic, planning, shapes, sharding, topology
+from mtp_jax import hlo_text, hlo_traffic, planning, shapes, sharding, speculative, topology
 from mtp_jax.config import MoeConfig
 from mtp_jax.errors import UserError
 from mtp_jax.hlo_collectives import array_bytes, collectives
+from mtp_jax.models import causal_lm
 from mtp_jax.models import moe as moe_module
+from mtp_jax.models.cache_attention import LayerSlots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,18 +147,20 @@ def test_with_segment_repeats_keeps_each_segments_kinds():
 
 def test_round_cost_extrapolated_over_layers_equals_the_whole_trunk_unrolled():
     """Cut to 2 and 3 layers and extrapolated to 5, a round's flops equal those of the 5-layer trunk compiled
-    unrolled in one piece; its HBM bytes are those read off the rolled round's HLO, loop bodies per iteration."""
+    unrolled in one piece; its HBM bytes are those of one iteration of generate's decode loop, loop bodies inside
+    it per iteration."""
     cfg = tiny_dense().replace(num_layers=5)
     target = topology.resolve("v5e:2x2")
     rules = sharding.ShardingRules(sharding.make_mesh("data=1,model=4", target.devices))
     work = planning.Workload(batch=4, prompt_len=16, max_new_tokens=32, num_draft=2)
     model = planning.abstract_model(cfg, jnp.bfloat16, rules)
     state = planning.start_state(model, work, 2)
-    _, hlo = planning.compile_rolled_round(model, work, 2, state)
+    hlo = planning.round_program(model, work, 2, state)
     projected = planning.round_cost(cfg, jnp.bfloat16, rules, work, 2, state, hlo)
     whole = planning.compile_round(model, work, 2, state, unroll=True)
     assert projected.flops == pytest.approx(whole.cost_analysis()["flops"], rel=0.02)
-    assert projected.hbm_bytes == hlo_traffic.hbm_bytes(hlo)
+    assert projected.hbm_bytes == hlo_traffic.hbm_bytes(hlo, speculative.DECODE_LOOP)
+    assert 0 < projected.hbm_bytes < hlo_traffic.hbm_bytes(hlo)  # the prefill and the loop's preparation are not
 
 
 def independent_param_bytes_per_chip(cfg, model_shards: int) -> int:
@@ -287,7 +291,8 @@ def test_moe_round_moves_activations_not_expert_weights(family, monkeypatch):
     state = planning.start_state(model, work, 3)
 
     def largest_moved():
-        found, _ = planning.compile_rolled_round(model, work, 3, state)
+        loop = planning.compile_round(model, work, 3, state)  # the decode loop alone: no prefill to compile
+        found = collectives(planning.round_program(model, work, 3, state, loop), speculative.DECODE_LOOP)
         return max(max(c.operand_bytes, c.result_bytes) for c in found)
 
     assert largest_moved() < planning.PARAM_SIZED * params
@@ -301,9 +306,9 @@ def test_moe_round_moves_activations_not_expert_weights(family, monkeypatch):
 
 
 def materialized(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
-    """Instructions of a compiled program that write a buffer of one of these array shapes (a leading axis of size 1
-    ignored): those outside fused computations, other than parameters and tuple plumbing."""
-    bodies, _ = hlo_text.computations(hlo)
+    """Instructions of a compiled program's decode loop that write a buffer of one of these array shapes (a leading
+    axis of size 1 ignored): those outside fused computations, other than parameters and tuple plumbing."""
+    bodies, runs = hlo_text.loop_runs(hlo, speculative.DECODE_LOOP)
     tables = {name: hlo_text.instructions(lines) for name, lines in bodies.items()}
     fusions = [rest for table in tables.values() for _, op, rest in table.values() if op == "fusion"]
     fused = {callee for rest in fusions for callee in re.findall(r"calls=%?([\w.\-]+)", rest)}
@@ -313,7 +318,7 @@ def materialized(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
         for instruction, (result, op, _) in table.items():
             dims = [tuple(int(d) for d in filter(None, m.split(","))) for m in re.findall(r"\[([0-9,]*)\]", result)]
             written = any((d[1:] if d[:1] == (1,) else d) in shapes for d in dims)
-            if name not in fused and op not in plumbing and written:
+            if runs[name] and name not in fused and op not in plumbing and written:
                 found.append(f"{op} {instruction}: {result[:80]}")
     return found
 
@@ -331,10 +336,40 @@ def test_small_moe_passes_read_stacked_expert_weights_in_place(monkeypatch):
     state = planning.start_state(model, work, 0)
 
     def expert_copies():
-        _, hlo = planning.compile_rolled_round(model, work, 0, state)
+        hlo = planning.round_program(model, work, 0, state, planning.compile_round(model, work, 0, state))
         return materialized(hlo, {(local, d, f), (local, f, d)})
 
     assert expert_copies() == []
     monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 0)
     jax.clear_caches()
     assert expert_copies()
+
+
+def test_unstacked_layers_never_copy_the_whole_latent_cache_stack(monkeypatch):
+    """DeepSeek-V3's latent attention (128 heads, latent 512) over 4 unstacked MoE layers, its cache split over its
+    slots on the 32 chips of v5p:4x4x2 (data=1,expert=8,model=4; 4096 new tokens): no instruction of a plain step
+    copies the whole [4, B, S, 576] stack of the segment's latent cache. Reading each layer's entries in place from
+    the stack (LayerSlots, as a layer scan does), XLA copied the whole stack into attention's layout once per layer,
+    and a step's cache bytes grew with the square of the layers (the full model's fp8 plain step: 41.3 GiB, against
+    26 read layer by layer; docs/benchmarks.md): the check catches it."""
+    full = shapes.full_shape("deepseek-v3")
+    moe = dataclasses.replace(full.moe, num_experts=8, expert_intermediate_size=256, num_groups=1, topk_groups=1,
+                              experts_per_token=2, first_dense_layers=1)  # fmt: skip
+    cfg = full.replace(hidden_size=1024, intermediate_size=512, vocab_size=4096, moe=moe)
+    cfg = planning.with_segment_repeats(cfg, (1, 4))
+    target = topology.resolve("v5p:4x4x2")
+    rules = sharding.ShardingRules(sharding.make_mesh("data=1,expert=8,model=4", target.devices))
+    work = planning.Workload(batch=8, prompt_len=16, max_new_tokens=4096, num_draft=0)
+    model = planning.abstract_model(cfg, jnp.bfloat16, rules, "bfloat16", "unstacked")
+    state = planning.start_state(model, work, 0)
+    stack = next(leaf for leaf in jax.tree.leaves(state.cache) if leaf.shape[0] == 4)  # [4, B, S, C], S split
+    local = stack.sharding.shard_shape(stack.shape)
+
+    def whole_stack_copies():  # (the step's own entries are written into the stack in place: not a copy)
+        hlo = planning.round_program(model, work, 0, state, planning.compile_round(model, work, 0, state))
+        return [found for found in materialized(hlo, {local}) if found.startswith("copy")]
+
+    assert whole_stack_copies() == []
+    monkeypatch.setattr(causal_lm, "layer_entries", lambda stacked, layer: LayerSlots(stacked, layer))
+    jax.clear_caches()
+    assert whole_stack_copies()

@@ -69,6 +69,14 @@ class LayerSlots:
         return _shard_major(chunks)
 
 
+def layer_entries(stacked: jax.Array, layer: jax.Array | int) -> jax.Array | LayerSlots:
+    """Layer `layer`'s entries of a stacked cache array [L, B, S, ...]: read in place (LayerSlots) at a traced
+    index (a layer scan's), sliced out at a Python one (unstacked layers). Compiled for TPU, unstacked layers that
+    read the stack in place had XLA copy the whole stack into the layout attention reads, once per layer: the cache
+    bytes of a step grew with the square of the layer count (docs/benchmarks.md). The slice is one layer's."""
+    return stacked[layer] if isinstance(layer, int) else LayerSlots(stacked, layer)
+
+
 def read_slots(past: jax.Array | LayerSlots) -> jax.Array:
     """Every slot of one layer's cache, given as [B, S, ...] or LayerSlots: [B, S, ...]."""
     return past.read() if isinstance(past, LayerSlots) else past

@@ -20,7 +20,7 @@ from mtp_jax.cache import GroupCache, attention_cache, write_slots
 from mtp_jax.config import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
 from mtp_jax.models import cpu_rows, loops
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
-from mtp_jax.models.cache_attention import LayerSlots
+from mtp_jax.models.cache_attention import layer_entries
 from mtp_jax.models.hybrid_stack import GroupStack
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.rowwise import project
@@ -65,7 +65,7 @@ class LayerStack(nnx.Module):
         past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
 
         def run(layer, x, index):
-            layer_past = [LayerSlots(entries, index) for entries in past]  # read in place, not copied per layer
+            layer_past = [layer_entries(entries, index) for entries in past]  # a scan's: read in place
             x, *new = layer(x, positions, rope, *layer_past, visible_from=visible_from, attention=cache.attention)
             return x, tuple(new)
 

@@ -19,7 +19,7 @@ from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
 from mtp_jax.config import LayerKind, ModelConfig
 from mtp_jax.models import cpu_rows, loops
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
-from mtp_jax.models.cache_attention import LayerSlots, checked_attention
+from mtp_jax.models.cache_attention import checked_attention, layer_entries
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
 from mtp_jax.models.layers import DecoderLayer, model_norm
 from mtp_jax.models.stacked_weights import layer_parameters, split_stack
@@ -124,7 +124,7 @@ class GroupStack(nnx.Module):
                         x, state = layer(x, repeat_states[j], lengths, recurrent, attention == "invariant")
                         new.append(state)
                     else:
-                        keys, values = LayerSlots(past[j].k, repeat), LayerSlots(past[j].v, repeat)
+                        keys, values = layer_entries(past[j].k, repeat), layer_entries(past[j].v, repeat)
                         x, k, v = layer(x, positions, rope, keys, values, attention=attention)
                         new.append((k, v))
             return x, tuple(new)
