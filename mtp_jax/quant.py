@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import WEIGHT_FORMATS
-from mtp_jax.sharding import param_axes
+from mtp_jax.sharding import active_platform, param_axes
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -449,28 +449,37 @@ def hold_float8_as_bits(model):
 
 
 def prepare_for_loop(model):
-    """Every quantized weight of `model` as the decode loop reads it (`loop_weight`), in place, and return `model`:
-    traced inside jit before the loop (`speculative.round_step`), once per call."""
+    """Every quantized weight of `model` as the decode loop reads it (`loop_weight`; its values behind the barrier
+    too on TPU), in place, and return `model`: traced inside jit before the loop (`speculative.round_step`), once
+    per call."""
+    whole = active_platform() == "tpu"
     for path, param in list(nnx.iter_graph(model)):
         value = param.get_value() if isinstance(param, nnx.Param) else None
         if isinstance(value, QuantizedArray):
             names = [str(p) for p in path]
-            param.set_value(loop_weight(value, spread_scales_shape(value, names, param_axes(param, "/".join(names)))))
+            shape = spread_scales_shape(value, names, param_axes(param, "/".join(names)))
+            param.set_value(loop_weight(value, shape, whole))
     return model
 
 
-def loop_weight(weight: QuantizedArray, spread_shape: Sequence[int]) -> QuantizedArray:
-    """`weight` as a decode loop reads it: its scales spread to `spread_shape` (`spread_output_scales`), and the
-    whole weight behind an optimization barrier, which XLA neither sinks back into the loop nor looks through.
-    Compiled for TPU, both save bytes at every step of the loop (DeepSeek-V3's fp8 round: docs/benchmarks.md):
+def loop_weight(weight: QuantizedArray, spread_shape: Sequence[int], whole: bool = True) -> QuantizedArray:
+    """`weight` as a decode loop reads it: its scales spread to `spread_shape` (`spread_output_scales`) behind an
+    optimization barrier, which XLA neither sinks back into the loop nor looks through; with `whole`, its values
+    behind it too. Compiled for TPU, both save bytes at every step (DeepSeek-V3's fp8 round: docs/benchmarks.md):
       - block scales spread inside each round were written out and read back at every step (XLA does not hoist
         them out of the loop): with DeepSeek-V3's experts about 5% of an fp8 step's bytes; spread once, they cost
         4 / 128 of the float8 bytes to hold and that much to read;
       - a weight the loop's products read in another layout than its parameter's (float8 weights whose width is
         not a multiple of 128, such as latent attention's [7168, 576] kv_a) was copied into it at every step; the
-        barrier's output is the loop's to lay out, so XLA copies such a weight once, before the loop."""
+        barrier's output is the loop's to lay out, so XLA copies such a weight once, before the loop. That copy is
+        held beside the weight; where a GPU's products would want most weights in another layout it could double
+        them, so `prepare_for_loop` asks for it on TPU only (not measured on a GPU)."""
     spread = spread_output_scales(weight, spread_shape) if tuple(spread_shape) != weight.scales.shape else weight
-    return jax.lax.optimization_barrier(spread)
+    if whole:
+        return jax.lax.optimization_barrier(spread)
+    if spread is weight:
+        return weight
+    return dataclasses.replace(spread, scales=jax.lax.optimization_barrier(spread.scales))
 
 
 def spread_scales_shape(weight: QuantizedArray, path: Sequence[str], axes: Sequence[str | None]) -> tuple[int, ...]:
