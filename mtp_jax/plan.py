@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--capacity-gib", type=float, help="memory per device (default: the chip's HBM)")
     parser.add_argument("--json", help="write the plan(s) as JSON here")
     parser.add_argument("--markdown", help="write the plan table as markdown here")
-    parser.add_argument("--dump-hlo", help="folder for plain_step.hlo.txt and mtp_round.hlo.txt (first mesh)")
+    parser.add_argument(
+        "--dump-hlo",
+        help="folder for plain_step.hlo.txt and mtp_round.hlo.txt: the compiled programs whose decode loop (scope "
+        "decode_loop) the plain step and the MTP round are read off (first mesh)",
+    )
     return parser
 
 
