@@ -62,6 +62,9 @@ CONTRACTING: dict[str, tuple[int, ...]] = {
     "in_proj_qkv": (0,), "in_proj_z": (0,), "in_proj_b": (0,), "in_proj_a": (0,), "out_proj": (0, 1),  # DeltaNet
     "proj": (0,),  # the MTP layer's [2D, D] fusion
 }  # fmt: skip
+# Weights whose readers split them along an output axis, each part in a product of its own: latent attention's
+# absorbed products take kv_b's key and value halves (`block_parts`), so its scales stay in blocks before the loop.
+SPLIT_READS = {"kv_b_proj"}
 BATCHED = {"expert_gate": (0,), "expert_up": (0,), "expert_down": (0,)}  # own axes that index matrices (experts)
 # Embeddings [V, D] (a tied lm_head reads one as "...D,VD->...V") and lm_heads [D, V], quantized under int8 only:
 # their contracting axis, so that each vocabulary entry has its scale.
@@ -364,6 +367,26 @@ def stored_axes(path: Sequence[str], axes: Sequence[str | None], weights: str):
     return matmul_axes(names, axes)
 
 
+def block_parts(weight: QuantizedArray, axis: int, sizes: Sequence[int]) -> list[QuantizedArray] | None:
+    """`weight` cut along `axis` into consecutive parts of `sizes`, each kept as stored, where each part lies in one
+    block of the scales along that axis (its own scale there: one value); None where a part would not (for
+    example one scale per element of the axis, as int8's output channels)."""
+    n, d = weight.scales.shape[axis], weight.shape[axis]
+    if weight.packed or sum(sizes) != d or (n > 1 and n == d):
+        return None
+    block, starts = d // n, [sum(sizes[:i]) for i in range(len(sizes))]
+    if any(start // block != (start + size - 1) // block for start, size in zip(starts, sizes, strict=True)):
+        return None
+
+    def part(start: int, size: int) -> QuantizedArray:
+        first = start // block
+        scale = lambda a: a if a is None or n == 1 else jax.lax.slice_in_dim(a, first, first + 1, axis=axis)
+        values = jax.lax.slice_in_dim(weight.values, start, start + size, axis=axis)
+        return dataclasses.replace(weight, values=values, scales=scale(weight.scales), mins=scale(weight.mins))
+
+    return [part(start, size) for start, size in zip(starts, sizes, strict=True)]
+
+
 def take_rows(weight: jax.Array | QuantizedArray, ids: jax.Array) -> jax.Array:
     """jnp.take(weight, ids, axis=0) in the weight's dtype; a quantized one (its scales one per row or one along
     axis 0) dequantizes only the rows taken."""
@@ -487,7 +510,7 @@ def spread_scales_shape(weight: QuantizedArray, path: Sequence[str], axes: Seque
     axis the matmul neither contracts nor batches, cut into blocks, takes the weight's size (one scale along the
     whole axis stays one; 4-bit packed values: as they are). Only float8 weights have blocks along an output axis."""
     kept = matmul_axes(path, axes)
-    if kept is None or weight.packed:
+    if kept is None or weight.packed or str(path[-1]) in SPLIT_READS:
         return weight.scales.shape
     fixed = set(kept[0]) | set(kept[1])
     sizes = zip(weight.scales.shape, weight.shape, strict=True)

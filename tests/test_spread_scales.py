@@ -106,3 +106,31 @@ def test_compiled_for_tpu_a_loop_reads_scales_spread_before_it_at_about_the_stor
 
     assert moved_per_step(True) <= 1.07  # measured 1.059
     assert moved_per_step(False) > 1.1  # measured 1.129
+
+
+def test_block_parts_keep_each_half_as_stored_where_it_is_one_block():
+    """Latent attention's kv_b [R, N, I] in fp8 (128 x 128 blocks; I = 128 key + 128 value dims): cut along I into
+    its halves, each keeps its float8 values and one scale along I, and its absorbed product equals the product by
+    the dequantized half. An int8 kv_b (a scale per output channel) or a cut inside a block is refused."""
+    weight = fp8_weight((256, 4, 256), (0,))
+    assert weight.scales.shape == (2, 4, 2)
+    keys, values = quant.block_parts(weight, 2, (128, 128))
+    assert keys.values.dtype == jnp.float8_e4m3fn and keys.scales.shape == values.scales.shape == (2, 4, 1)
+    dense = weight.dequantize()
+    q = jax.random.normal(jax.random.key(2), (2, 3, 4, 128), jnp.float32)
+    np.testing.assert_allclose(
+        quant.quantized_einsum("BTNH,RNH->BTNR", q, keys),
+        jnp.einsum("BTNH,RNH->BTNR", q, dense[..., :128]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    latent = jax.random.normal(jax.random.key(3), (2, 3, 4, 256), jnp.float32)
+    np.testing.assert_allclose(
+        quant.quantized_einsum("BTNR,RNW->BTNW", latent, values),
+        jnp.einsum("BTNR,RNW->BTNW", latent, dense[..., 128:]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert quant.block_parts(weight, 2, (64, 192)) is None
+    int8 = quant.quantize_int8(jax.random.normal(jax.random.key(0), (256, 4, 256)), (0,))
+    assert quant.block_parts(int8, 2, (128, 128)) is None

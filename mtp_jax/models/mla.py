@@ -38,6 +38,8 @@ from mtp_jax.models.cache_attention import (
 )
 from mtp_jax.models.layers import RMSNorm, apply_rope, init_weight
 from mtp_jax.models.rowwise import attention_rows_exact, float32_product, product, project, row_product
+from mtp_jax.models.stacked_weights import layer_value
+from mtp_jax.quant import QuantizedArray, block_parts
 from mtp_jax.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
 
 
@@ -128,6 +130,19 @@ class MultiHeadLatentAttention(nnx.Module):
             out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards, attention == "chunked")
         return project("BTNW,NWD->BTD", out, self.o_proj.get_value()), block
 
+    def _up_projections(self):
+        """(W_uk [R, N, H], W_uv [R, N, W]): kv_b's key and value halves for the absorbed products, kept as stored
+        where each half lies in one block of kv_b's scales along its last axis (fp8's 128-wide blocks: the products
+        then read the float8 values, not a weight dequantized at every step), else dequantized (int8's one scale per
+        output channel would put a scale on every element of the axis the key product contracts)."""
+        kv_b = layer_value(self.kv_b_proj.get_value())
+        if isinstance(kv_b, QuantizedArray):
+            parts = block_parts(kv_b, 2, (self.nope_dim, kv_b.shape[2] - self.nope_dim))
+            if parts is not None:
+                return tuple(parts)
+            kv_b = kv_b.dequantize()
+        return kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]
+
     def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool):
         """Per-head keys and values from every latent, then ordinary attention (`chunked`: chunk by chunk, expanding
         one chunk of each of the `shards` runs of slots at a time)."""
@@ -165,8 +180,7 @@ class MultiHeadLatentAttention(nnx.Module):
     def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool):
         """Queries moved into latent space (q_nope . W_uk), attention over latents (`chunked`: chunk by chunk, every
         head beside each of the `shards` runs of slots), W_uv applied to the result."""
-        kv_b = self.kv_b_proj[...]
-        w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
+        w_uk, w_uv = self._up_projections()  # [R, N, H], [R, N, W]
         f32 = jnp.float32
         r = self.latent_rank
         q_latent = project("BTNH,RNH->BTNR", q_nope, w_uk)
@@ -202,8 +216,7 @@ class MultiHeadLatentAttention(nnx.Module):
     def _absorbed_invariant(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int):
         """`_absorbed` in the batch-invariant form (cache_attention.attend_written_cache): the block's latents
         written into the chunks first, each query attending to the slots up to its own position."""
-        kv_b = self.kv_b_proj[...]
-        w_uk, w_uv = kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]  # [R, N, H], [R, N, W]
+        w_uk, w_uv = self._up_projections()  # [R, N, H], [R, N, W]
         r, slots = self.latent_rank, past.shape[1]
         query = jnp.concatenate([project("BTNH,RNH->BTNR", q_nope, w_uk), q_rope], axis=-1)  # [B, T, N, C]
         if shards > 1:
