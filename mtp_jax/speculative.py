@@ -37,6 +37,8 @@ from mtp_jax.rounds import Round, RoundKind, round_context, run_round
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import activate, constrain
 
+DECODE_LOOP = "decode_loop"  # the named scope of generate's loop of rounds (plans read a round off it: hlo_text)
+
 
 @struct.dataclass
 class GenerateOutput:
@@ -91,9 +93,6 @@ def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array):
         return s
 
     return body
-
-
-DECODE_LOOP = "decode_loop"  # the named scope of generate's loop of rounds (hlo_text.loop_runs)
 
 
 def _estimated_costs(model: CausalLM, max_draft: int) -> tuple[float, ...]:
