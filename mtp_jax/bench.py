@@ -106,14 +106,20 @@ def load_target(args, notes: list[str]):
         dtype = args.dtype or checkpoint.default_dtype()
         model = causal_lm.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
         model = quantize_model(model if mesh is None else shard_model(model, mesh), args.weights)
+        model = checkpoint.with_activations(model, args.activations)
         return (
             causal_lm.hold_for_platform(model, args.layer_layout),
             None,
             f"random weights, shape {args.random_shape}",
             None,
         )
+    if args.activations == "int8" and not args.invariant:
+        args.invariant = True  # as `speculative.generate` decodes such a model: reported as it runs
+        notes.append("activations rounded to int8: batch-invariant decoding (DecodeConfig.invariant), always")
     path = local_path(args.model) if args.model else None  # a repo id: its snapshot folder, for the peer too
-    model, tokenizer = checkpoint.load(path, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights)
+    model, tokenizer = checkpoint.load(
+        path, dtype=args.dtype, head=args.head, mesh=mesh, weights=args.weights, activations=args.activations
+    )
     path = path or default_gguf_path()
     model = causal_lm.hold_for_platform(model, args.layer_layout)
     if args.peer is False:

@@ -8,16 +8,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from mtp_jax.config import ACTIVATION_FORMATS
 from mtp_jax.conversion.convert import config_of
 from mtp_jax.conversion.placement import read_params
 from mtp_jax.default_cache import load_default
+from mtp_jax.errors import UserError
 from mtp_jax.heads import attach_head, head_for
 from mtp_jax.hub import local_path
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.params.converted import is_converted, restore_converted
 from mtp_jax.params.open_source import open_source
 from mtp_jax.params.tree import assemble, nest
-from mtp_jax.quant import is_quantized, quantize_model
+from mtp_jax.quant import is_quantized, quantize_model, round_rows_to_int8
 from mtp_jax.sharding import ShardingRules, rules_for
 from mtp_jax.text_tokenizer import import_transformers
 
@@ -35,6 +37,7 @@ def load(
     head: str | None = None,
     default_head: bool = True,
     weights: str = "auto",
+    activations: str = "float",
 ):
     """(model, tokenizer or None) for `path`; None means the default model. `path` may also be a Hugging Face repo
     id, `ORG/NAME[@REVISION]` (`mtp_jax.hub`; an existing local path of that name wins).
@@ -52,14 +55,30 @@ def load(
     everything into `dtype`; "int8" stores every matmul weight (trunk and MTP layer) as int8 with per-channel
     scales; "int4" as 4-bit blocks (`quant.quantize_int4`); "fp8" keeps an fp8 checkpoint as shipped and stores
     every matmul weight of any other as fp8 with 128 x 128 block scales.
+
+    `activations`: "float" multiplies every weight by the activations as they are; "int8" rounds them to int8 per
+    block before each product with a 4-bit weight, as llama.cpp does (`quant.round_rows_to_int8`): another model of
+    the same weights, faster on a CPU with AVX512-VNNI. Needs 4-bit weights ("int4", or a GGUF's Q4_1 under "auto").
     """
+    if activations not in ACTIVATION_FORMATS:
+        raise UserError(f"activations must be one of {', '.join(ACTIVATION_FORMATS)}; got {activations!r}")
     path = None if path is None else local_path(path)
     model, tokenizer = _load_trunk(path, dtype=dtype, mesh=mesh, weights=weights)
     head = head or (head_for(path) if default_head else None)
     model = attach_head(model, head) if head else model
-    if weights == "fp8" and is_quantized(model):  # the checkpoint's own fp8: which weights it left alone stays so
-        return model, tokenizer
-    return quantize_model(model, weights), tokenizer
+    if not (weights == "fp8" and is_quantized(model)):  # the checkpoint's own fp8: what it left alone stays so
+        model = quantize_model(model, weights)
+    return with_activations(model, activations), tokenizer
+
+
+def with_activations(model, activations: str):
+    """`model` with its 4-bit weights multiplying activations as `activations` says (`load`)."""
+    if activations == "int8" and not round_rows_to_int8(model):
+        raise UserError(
+            "activations int8 needs 4-bit weights: --weights int4, or a GGUF's Q4_1 blocks under "
+            "--weights auto on a CPU"
+        )
+    return model
 
 
 def keeps_gguf_blocks(weights: str, rules: ShardingRules | None) -> bool:
@@ -95,8 +114,11 @@ def load_model(
     head: str | None = None,
     default_head: bool = True,
     weights: str = "auto",
+    activations: str = "float",
 ) -> CausalLM:
     """The model at `path` (converted folder, Hugging Face folder or repo id `ORG/NAME[@REVISION]`, or .gguf); None
     means the default model.
-    `mesh`, `head`, `default_head`, `weights`: as `load` takes them."""
-    return load(path, dtype=dtype, mesh=mesh, head=head, default_head=default_head, weights=weights)[0]
+    `mesh`, `head`, `default_head`, `weights`, `activations`: as `load` takes them."""
+    return load(
+        path, dtype=dtype, mesh=mesh, head=head, default_head=default_head, weights=weights, activations=activations
+    )[0]

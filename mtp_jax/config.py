@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 LAYER_LAYOUTS = ("auto", "stacked", "unstacked")  # how layer parameters are held: models.causal_lm.apply_layer_layout
 WEIGHT_FORMATS = ("auto", "bfloat16", "int8", "int4", "fp8")  # how matmul weights are stored (mtp_jax/quant.py)
+ACTIVATION_FORMATS = ("float", "int8")  # what 4-bit weights multiply: quant.round_rows_to_int8
 
 MtpLayout = Literal["deepseek", "mimo", "qwen_next"]
 
@@ -366,7 +367,10 @@ class DecodeConfig:
     invariant: batch-invariant numerics: each row's tokens the same whatever else shares its passes (other rows,
       their lengths, a verify block's other positions), so greedy MTP equals plain decoding in bfloat16 too, at any
       batch size (models/cache_attention.py: `attend_written_cache`; caches are sized in whole attention chunks;
-      on one GPU every product runs in fixed tiles: models/fixed_tiles.py).
+      on one GPU every product runs in fixed tiles: models/fixed_tiles.py). Always on for a model whose 4-bit
+      weights multiply activations rounded to int8 (`quant.rounds_rows`): a last-bit difference between a verify
+      block's sums and a plain step's moves a rounded activation by a whole step, so only batch-invariant passes
+      keep MTP equal to plain there.
     """
 
     num_draft: int = 3

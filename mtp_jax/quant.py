@@ -51,6 +51,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128
 INT4_BLOCK = 32  # contracting elements per 4-bit block (llama.cpp's Q4_0 / Q4_1)
 INT4_LEVELS = 15.0
+INT8_ROW_LEVELS = 127.0  # activations rounded to int8 (`rounded_rows`): -127..127
 
 # Contracting axes of each quantized weight, counted over its own axes (without a leading stacked-layer axis), by
 # the last component of its path: the scales keep every other axis (one scale per output channel).
@@ -79,7 +80,8 @@ class QuantizedArray:
     """values (int8 or float8_e4m3fn, the weight's shape; or 4-bit values 0..15 `packed` two to a uint8 along the
     last axis, the even index in the low nibble; uint8 values are packed ones) times scales (float32 or float16,
     one axis per weight axis: 1, the axis's size, or a divisor of it for blocks of consecutive elements), plus
-    `mins` where given (as the scales: 4-bit blocks store value * scale + min), read in `dtype`."""
+    `mins` where given (as the scales: 4-bit blocks store value * scale + min), read in `dtype`; `int8_rows`: the
+    activations multiplying it are rounded to int8 per block first (`round_rows_to_int8`)."""
 
     values: jax.Array
     scales: jax.Array
@@ -87,6 +89,7 @@ class QuantizedArray:
     mins: jax.Array | None = None
     packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
     bits_of: jnp.dtype | None = dataclasses.field(default=None, metadata=dict(static=True))  # `hold_float8_as_bits`
+    int8_rows: bool = dataclasses.field(default=False, metadata=dict(static=True))  # `round_rows_to_int8`
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -151,10 +154,56 @@ def expand_blocks(scales: jax.Array, shape: Sequence[int]) -> jax.Array:
 
 def quantized_einsum(equation: str, x: jax.Array, weight: QuantizedArray) -> jax.Array:
     """jnp.einsum(equation, x, weight.dequantize()) in float32, the weight read as stored (`_blocked_einsum`); with
-    `mins`, plus the product of x's block sums by the mins (`_min_products`)."""
+    `mins`, plus the product of x's block sums by the mins (`_min_products`); with `int8_rows`, x rounded first
+    (`rounded_rows`)."""
+    if weight.int8_rows:
+        x = rounded_rows(equation, x, weight)
     levels = QuantizedArray(weight.levels(), weight.scales, weight.dtype)
     product = _blocked_einsum(equation, x, levels)
     return product if weight.mins is None else product + _min_products(equation, x, weight.mins, weight.shape)
+
+
+def rounded_rows(equation: str, x: jax.Array, weight: QuantizedArray) -> jax.Array:
+    """x (float32) rounded to int8 per block of the contracting elements that `weight`'s scales cut (llama.cpp's
+    Q8_1): d = max |x| / 127 over the block, q = x / d rounded to the nearest integer (ties to even), returned as
+    q * d. The row kernel (native/row_int8.h) rounds the same way and sums the products of q as integers."""
+    inputs, out = equation.split("->")
+    lhs, rhs = inputs.split(",")
+    own = lhs.removeprefix("...")
+    lead = x.ndim - len(own)
+    x = x.astype(jnp.float32)
+    split, inner = list(x.shape[:lead]), []
+    for letter, size in zip(own, x.shape[lead:], strict=True):
+        if letter in out or letter not in rhs:
+            split.append(size)
+            continue
+        n = weight.scales.shape[rhs.index(letter)]
+        split += [n, size // n]
+        inner.append(len(split) - 1)
+    blocks = x.reshape(split)
+    d = jnp.max(jnp.abs(blocks), axis=tuple(inner), keepdims=True) / INT8_ROW_LEVELS
+    inverse = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
+    return (jnp.round(blocks * inverse) * d).reshape(x.shape)
+
+
+def round_rows_to_int8(model) -> int:
+    """Mark every 4-bit weight of `model` (`--weights int4`, a GGUF's Q4_1 blocks) to multiply activations
+    rounded to int8 per block (`rounded_rows`), as llama.cpp multiplies them, in place; returns how many. A
+    different model from the float activations' (logits move by about the 4-bit weights' own error, see
+    docs/benchmarks.md), but plain and MTP decoding of it agree as ever: each row is rounded by itself."""
+    marked = 0
+    for _, param in nnx.iter_graph(model):
+        value = param.get_value() if isinstance(param, nnx.Param) else None
+        if isinstance(value, QuantizedArray) and value.packed and not value.int8_rows:
+            param.set_value(dataclasses.replace(value, int8_rows=True))
+            marked += 1
+    return marked
+
+
+def rounds_rows(model) -> bool:
+    """Whether any weight of `model` multiplies activations rounded to int8 (`round_rows_to_int8`)."""
+    params = jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, QuantizedArray))
+    return any(isinstance(leaf, QuantizedArray) and leaf.int8_rows for leaf in params)
 
 
 def _min_products(equation: str, x: jax.Array, mins: jax.Array, shape: Sequence[int]) -> jax.Array:

@@ -15,6 +15,7 @@ block's `visible_from` hides everything before it from the MTP layer's attention
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -32,7 +33,7 @@ from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.fixed_tiles import invariant_products
 from mtp_jax.models.rowwise import lone_rows_exact
 from mtp_jax.prefill import prefill
-from mtp_jax.quant import prepare_for_loop
+from mtp_jax.quant import prepare_for_loop, rounds_rows
 from mtp_jax.rounds import Round, RoundKind, round_context, run_round
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import activate, constrain
@@ -171,6 +172,8 @@ def _run_chunk(graphdef, params, state: LoopState, limit, sampling, cfg, greedy:
 
 def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
     cfg = cfg or DecodeConfig()
+    if not cfg.invariant and rounds_rows(model):  # activations rounded to int8: see DecodeConfig.invariant
+        cfg = dataclasses.replace(cfg, invariant=True)
     if cfg.num_draft > 0 and not model.config.has_mtp:
         raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
     rules = model.sharding_rules

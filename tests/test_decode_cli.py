@@ -231,3 +231,16 @@ def test_a_lone_prompt_streams_to_a_terminal(smollm2_path, capsys, monkeypatch, 
     stats = json.loads(stats_json.read_text())
     assert stats["generated_tokens"] == row["num_tokens"] and stats["compile_seconds"] > 0
     assert "tokens/s" in capsys.readouterr().err
+
+
+def test_int8_activations_decode_mtp_equal_to_plain_and_need_4bit_weights(checkpoints, capsys):
+    common = ["--model", checkpoints / "with_head", "--prompts-file", checkpoints / "prompts.jsonl"]
+    common += ["--max-new-tokens", 10, "--dtype", "float32", "--weights", "int4", "--activations", "int8"]
+    outputs = []
+    for k in (0, 2):
+        code, out, err = decode(capsys, *common, "--num-draft", k)
+        assert code == 0, err
+        outputs.append([json.loads(line)["token_ids"] for line in out.splitlines()])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 5
+    code, out, err = decode(capsys, *common[:-4], "--weights", "int8", "--activations", "int8")
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "needs 4-bit weights" in err

@@ -45,6 +45,7 @@ CACHED_BUILDS = 8  # libraries kept in the user's cache (the newest; other envir
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+INT8_ROW_COLUMNS = 32  # the int8-rows product takes output columns 32 at a time
 BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of this many contracting elements a block
 _LOCK = threading.Lock()
 _REGISTERED: list[Path] = []  # the library whose handler this process registered
@@ -132,6 +133,8 @@ def takes(equation: str, x: jax.Array, weight, invariant: bool) -> bool:
     lay = matmul_layout.layout(equation, x.shape, layer_weight.shape)
     if isinstance(layer_weight, QuantizedArray) and not _kernel_blocks(lay, layer_weight):
         return False
+    if isinstance(layer_weight, QuantizedArray) and layer_weight.int8_rows and not _int8_rows_layout(lay, layer_weight):
+        return False
     if stacked and not matmul_layout.reads_in_place(lay):
         return False
     if not invariant and lay.gmkn[1] > ROWS_MAX:
@@ -156,6 +159,14 @@ def _kernel_blocks(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
     return not (blocked and lay.transposed and (lay.gmkn[2] // kb) % BLOCK_LANES)
 
 
+def _int8_rows_layout(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
+    """Whether the kernel's int8-rows product (native/row_int8.h) reads this 4-bit weight: [K, N] with N a
+    multiple of INT8_ROW_COLUMNS and blocks of a multiple of 4 contracting elements (else XLA's product rounds x)."""
+    kb = matmul_layout.contracting_blocks(lay, weight)
+    _, _, k, n = lay.gmkn
+    return not lay.transposed and n % INT8_ROW_COLUMNS == 0 and kb is not None and (k // kb) % 4 == 0
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum(equation: str, x: jax.Array, weight) -> jax.Array:
     """jnp.einsum(equation, x, weight) in float32 by the kernel (call only where `takes` said yes); a quantized
@@ -177,7 +188,8 @@ def einsum(equation: str, x: jax.Array, weight) -> jax.Array:
         rows = rows.astype(jnp.float32)  # producer, which may then skip its rounding to bfloat16 in one program only
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32), vmap_method="sequential")
     packed = isinstance(layer_weight, QuantizedArray) and layer_weight.packed
-    attrs = dict(transposed=np.int64(lay.transposed), packed=np.int64(packed))
+    int8_rows = isinstance(layer_weight, QuantizedArray) and layer_weight.int8_rows
+    attrs = dict(transposed=np.int64(lay.transposed), packed=np.int64(packed), int8_rows=np.int64(int8_rows))
     product = call(rows, values, scales, mins.astype(scales.dtype), first, **attrs)  # [G, M, N]
     return matmul_layout.output(lay, product)
 

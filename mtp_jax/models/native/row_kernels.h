@@ -181,6 +181,7 @@ struct Blocks {
   const void* mins;  // nullptr: none
   bool half;
   int64_t KB;
+  bool int8_rows = false;  // 4-bit weights only: x's rows rounded to int8 per block first (row_int8.h)
   float value(const void* p, int64_t i) const {
     if (!half) return static_cast<const float*>(p)[i];
 #if defined(__F16C__)
@@ -199,7 +200,7 @@ struct Blocks {
   Blocks at_matrix(int64_t g, int64_t N) const {  // the blocks of matrix g
     const int64_t offset = g * KB * N * (half ? 2 : 4);
     return {static_cast<const char*>(scales) + offset, mins ? static_cast<const char*>(mins) + offset : nullptr, half,
-            KB};
+            KB, int8_rows};
   }
 };
 
@@ -589,6 +590,12 @@ template <typename X, typename W>
 void blocked_columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0,
                      int64_t n1, const Blocks& q, float* out);
 
+}  // namespace rows
+
+#include "row_int8.h"
+
+namespace rows {
+
 // Every row of one matrix (x [M, K], w, out [M, N]) for output columns [n0, n1).
 template <typename X, typename W>
 void columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool transposed, int64_t n0, int64_t n1,
@@ -601,6 +608,9 @@ void columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool tra
       });
       return;
     }
+  }
+  if constexpr (std::is_same_v<W, U4>) {
+    if (q.int8_rows) return int8_rows_columns(x, M, K, w.data, N, n0, n1, q, out);  // not transposed (checked)
   }
   if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, U4>)  // blocks: int8 and 4-bit weights only
     blocked_columns(x, M, K, w, N, transposed, n0, n1, q, out);

@@ -9,6 +9,8 @@
 //           K / KB consecutive contracting elements (KB = 1: int8's per-output-channel scales; ones otherwise)
 //   mins    the same shape and type as scales, or empty: added per block, times the block's sum of x (4-bit blocks
 //           as llama.cpp's Q4_1 stores them: w = value * scale + min)
+//   int8_rows  (attribute) 4-bit weights [G, K, N], N a multiple of 32, blocks a multiple of 4 elements: x's rows
+//           rounded to int8 per block first, the blocks' products summed as integers (row_int8.h)
 //   first   int32 scalar: w, scales and mins hold S >= first + G matrices, of which first .. first + G - 1 are read
 //           (a layer's weight read in place from a stack of layers; 0 for a single weight)
 //   out     [G, M, N] float32
@@ -99,7 +101,7 @@ ffi::Error with_weights(ffi::ThreadPool pool, const X* x, ffi::DataType type, co
 
 ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
                      ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> first_matrix, ffi::ResultBuffer<ffi::F32> out,
-                     int64_t transposed, int64_t packed) {
+                     int64_t transposed, int64_t packed, int64_t int8_rows) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scales.dimensions();
@@ -127,7 +129,10 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   if ((blocked && w.element_type() != ffi::S8 && !packed) || (packed && !blocked))
     return ffi::Error::InvalidArgument("row_matmul: blocks, float16 scales or mins need int8 or 4-bit weights, "
                                        "and 4-bit weights need them");
-  const Blocks stack{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB};
+  if (int8_rows && (!packed || transposed || N % (2 * kLanes) != 0 || (K / KB) % 4 != 0))
+    return ffi::Error::InvalidArgument("row_matmul: int8 rows need 4-bit weights [K, N], N a multiple of 32 and "
+                                       "blocks of a multiple of 4 elements");
+  const Blocks stack{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB, int8_rows != 0};
   const Blocks q = stack.at_matrix(first, N);
   const int64_t matrix_bytes = K * N * static_cast<int64_t>(ffi::ByteWidth(w.element_type())) / (packed ? 2 : 1);
   const char* weights = static_cast<const char*>(w.untyped_data()) + first * matrix_bytes;
@@ -157,4 +162,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpJaxRowMatmul, RowMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("transposed")
-                                  .Attr<int64_t>("packed"));
+                                  .Attr<int64_t>("packed")
+                                  .Attr<int64_t>("int8_rows"));
