@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp_jax.models import loops
+from mtp_jax.models import cpu_attention, loops
 from mtp_jax.models.rowwise import attention_rows_exact, product, row_product, row_sum
 from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
@@ -191,8 +191,13 @@ def grouped_attention(
 
         if invariant:
             rows = widen(positions), None if visible_from is None else widen(visible_from)
-            out = attend_written_cache(attend_chunk, *rows, slots, shards, (rows[0].shape[0], *q.shape[2:4], t),
-                                       (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
+            written = lambda: attend_written_cache(attend_chunk, *rows, slots, shards, (rows[0].shape[0],
+                                                   *q.shape[2:4], t), (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
+            if exact_rows and cpu_attention.takes(q, past_k, shards):  # one kernel call (models/cpu_attention.py)
+                fused = lambda: cpu_attention.attend(q, k, v, positions, past_k, past_v, visible_from)
+                out = jax.lax.platform_dependent(cpu=fused, default=written)
+            else:
+                out = written()
         else:
             block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
 

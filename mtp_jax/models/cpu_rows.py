@@ -41,6 +41,8 @@ from mtp_jax.sharding import active_platform, one_device_active
 
 TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
+ATTENTION_TARGET = "mtp_jax_cache_attention"  # native/cache_attention.cc, in the same library (models/cpu_attention.py)
+ATTENTION_SYMBOL = "MtpJaxCacheAttention"
 CACHED_BUILDS = 8  # libraries kept in the user's cache (the newest; other environments' builds among them)
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
@@ -48,7 +50,7 @@ WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 INT8_ROW_COLUMNS = 32  # the int8-rows product takes output columns 32 at a time
 BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of this many contracting elements a block
 _LOCK = threading.Lock()
-_REGISTERED: list[Path] = []  # the library whose handler this process registered
+_REGISTERED: list[Path] = []  # the library whose handlers this process registered
 
 
 def build_dir() -> Path:
@@ -57,9 +59,11 @@ def build_dir() -> Path:
 
 
 def _load(path: Path):
-    """The handler of the library at `path`, or None where it cannot be loaded (truncated, overwritten)."""
+    """The handlers of the library at `path` (the row product's, the decode attention's), or None where it cannot
+    be loaded (truncated, overwritten)."""
     try:
-        return getattr(ctypes.cdll.LoadLibrary(str(path)), SYMBOL)
+        library = ctypes.cdll.LoadLibrary(str(path))
+        return getattr(library, SYMBOL), getattr(library, ATTENTION_SYMBOL)
     except (OSError, AttributeError):
         return None
 
@@ -93,20 +97,21 @@ def _status_once() -> str:
     try:
         name = kernel_build.library_name(compiler)
         path = kernel_build.installed_dir() / name  # built by the install
-        handler = _load(path) if path.exists() else None
-        if handler is None:  # else built once into the user's cache
+        handlers = _load(path) if path.exists() else None
+        if handlers is None:  # else built once into the user's cache
             path = build_dir() / name
             if not path.exists():
                 kernel_build.build(compiler, path, Path(jax.ffi.include_dir()))
                 kernel_build.prune(path.parent, path, others=CACHED_BUILDS - 1)
-            handler = _load(path)
-            if handler is None:  # a damaged library in the cache (truncated, overwritten): built again
+            handlers = _load(path)
+            if handlers is None:  # a damaged library in the cache (truncated, overwritten): built again
                 kernel_build.build(compiler, path, Path(jax.ffi.include_dir()))
-                handler = _load(path)
-            if handler is None:
+                handlers = _load(path)
+            if handlers is None:
                 raise OSError(f"{path} does not load")
         if not _REGISTERED:  # once per process (a second registration of the name is refused)
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+            for target, function in zip((TARGET, ATTENTION_TARGET), handlers, strict=True):
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(function), platform="cpu")
             _REGISTERED.append(path)
     except (OSError, RuntimeError, subprocess.SubprocessError, importlib.metadata.PackageNotFoundError) as e:
         return f"off ({e})"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 NATIVE = Path(__file__).with_name("native")
 BINDING, UNIT = NATIVE / "row_matmul.cc", NATIVE / "row_columns.cc"
+ATTENTION = NATIVE / "cache_attention.cc"  # the decode attention (models/cpu_attention.py)
 UNIT_TYPES = [(x, w) for x in ("float", "uint16_t") for w in ("float", "uint16_t", "int8_t", "U4")]  # ROW_X, ROW_W
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fPIC")
 STALE_SECONDS = 600  # a scratch folder this old was left by a killed build, not one still running
@@ -82,14 +83,14 @@ def build(compiler: str, path: Path, include: Path) -> None:
     binding and one unit per activation and weight type, as many at once as this machine has cores, then linked.
     Raises RuntimeError with the compiler's last line when a step fails."""
     cores = os.cpu_count() or 1
-    print(f"mtp_jax: building the CPU row kernel once into {path.parent} ({len(UNIT_TYPES) + 1} units on {cores} "
+    print(f"mtp_jax: building the CPU row kernel once into {path.parent} ({len(UNIT_TYPES) + 2} units on {cores} "
           "cores)", file=sys.stderr)  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob("building-*"):
         if time.time() - stale.stat().st_mtime > STALE_SECONDS:
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="building-", dir=path.parent) as scratch:
-        units = [[f"-I{include}", str(BINDING)]]
+        units = [[f"-I{include}", str(BINDING)], [f"-I{include}", str(ATTENTION)]]
         units += [[f"-DROW_X={x}", f"-DROW_W={w}", str(UNIT)] for x, w in UNIT_TYPES]
         objects = [os.path.join(scratch, f"unit{i}.o") for i in range(len(units))]
         with concurrent.futures.ThreadPoolExecutor(max_workers=cores) as pool:
