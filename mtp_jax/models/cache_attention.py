@@ -161,11 +161,29 @@ def grouped_attention(
     """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
     block itself (one softmax over both, float32); chunk by chunk when the cache's form is "chunked", shard by shard
     over one split over its slots; "invariant": the batch-invariant form (`attend_written_cache`), which needs a
-    cache of whole chunks on every shard."""
+    cache of whole chunks on every shard. On a CPU with the row kernel, a decode step or verify block (at most
+    `cpu_attention.DECODE_POSITIONS` positions a row) outside batch-invariant decoding is one kernel call
+    (models/cpu_attention.py); so is every pass under it."""
+    shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
+    xla_form = lambda: _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention, shards)
+    if attention != "invariant" and q.shape[1] <= cpu_attention.DECODE_POSITIONS and _fused_here(q, past_k, shards):
+        b, t, n, h = q.shape
+        queries = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
+        fused = lambda: cpu_attention.attend(queries, k, v, positions, past_k, past_v, visible_from).astype(q.dtype)
+        return jax.lax.platform_dependent(cpu=lambda: fused().reshape(b, t, n, h), default=xla_form)
+    return xla_form()
+
+
+def _fused_here(q: jax.Array, past_k, shards: int) -> bool:
+    """Whether the CPU kernel can attend these queries (`cpu_attention.takes`) in a program traced now for a CPU."""
+    return attention_rows_exact(q.dtype) and cpu_attention.takes(q, past_k, shards)
+
+
+def _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention: str, shards: int) -> jax.Array:
+    """`grouped_attention` in XLA's ops (the batch-invariant form: the CPU kernel where it takes it)."""
     invariant = attention == "invariant"
     b, t, n, h = q.shape
     slots = past_k.shape[1]
-    shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     if shards > 1:
         q = constrain(q, WHOLE_HEADS)
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
@@ -193,7 +211,7 @@ def grouped_attention(
             rows = widen(positions), None if visible_from is None else widen(visible_from)
             written = lambda: attend_written_cache(attend_chunk, *rows, slots, shards, (rows[0].shape[0],
                                                    *q.shape[2:4], t), (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
-            if exact_rows and cpu_attention.takes(q, past_k, shards):  # one kernel call (models/cpu_attention.py)
+            if _fused_here(q, past_k, shards):  # one kernel call (models/cpu_attention.py)
                 fused = lambda: cpu_attention.attend(q, k, v, positions, past_k, past_v, visible_from)
                 out = jax.lax.platform_dependent(cpu=fused, default=written)
             else:

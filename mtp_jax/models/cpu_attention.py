@@ -17,6 +17,8 @@ import jax.numpy as jnp
 
 from mtp_jax.models import cpu_rows
 
+DECODE_POSITIONS = 16  # a pass of at most this many positions a row (decode steps, verify blocks) takes the kernel
+# outside batch-invariant decoding; a prefill keeps XLA's form, whose products are GEMMs
 LANES = 16  # head dims are whole vectors of this many floats, at most MAX_HEAD_DIM
 MAX_HEAD_DIM = 128
 
@@ -38,7 +40,8 @@ def takes(q: jax.Array, past_k, shards: int) -> bool:
 
 def attend(q, k, v, positions, past_k, past_v, visible_from) -> jax.Array:
     """q [B, T, K, G, H] (scaled), k / v [B, T, K, H] the block's entries, positions [B, T], past_k / past_v one
-    layer's cache ([B, S, K, H] or LayerSlots), visible_from [B] or None -> [B, T, K, G, H] float32."""
+    layer's cache ([B, S, K, H] or LayerSlots), visible_from [B] or None -> [B, T, K, G, H] float32.
+    Differentiable: the gradients are those of `reference` (training an MTP layer through short passes)."""
     caches, layer = [], jnp.zeros((), jnp.int32)
     for past in (past_k, past_v):
         if hasattr(past, "stacked"):  # LayerSlots: read in place from the stack
@@ -48,5 +51,55 @@ def attend(q, k, v, positions, past_k, past_v, visible_from) -> jax.Array:
             caches.append(past[None])
     b = q.shape[0]
     start = jnp.zeros((b,), jnp.int32) if visible_from is None else visible_from.astype(jnp.int32)
+    blocks = k.astype(jnp.float32), v.astype(jnp.float32)
+    return _attend(q, *blocks, *caches, positions.astype(jnp.int32), layer, start)
+
+
+@jax.custom_vjp
+def _attend(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
     call = jax.ffi.ffi_call(cpu_rows.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, *caches, layer, k.astype(jnp.float32), v.astype(jnp.float32), positions.astype(jnp.int32), start)
+    return call(q, cache_k, cache_v, layer, k, v, positions, start)
+
+
+def reference(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
+    """What the kernel computes, in XLA's ops: layer `layer` of the caches [L, B, S, K, H] with the block's entries
+    k / v [B, T, K, H] written at positions[:, 0] .., each query [B, T, K, G, H] over the slots start .. its own
+    position."""
+    t = positions.shape[1]
+    slot = jnp.arange(cache_k.shape[2])
+    index = slot[None, :] - positions[:, :1]  # [B, S] the block entry a slot takes
+    written = ((index >= 0) & (index < t))[:, :, None, None]
+    picks = jnp.clip(index, 0, t - 1)[:, :, None, None]
+
+    def layer_entries(cache, block):  # [B, S, K, H]
+        entries = jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
+        return jnp.where(written, jnp.take_along_axis(block, picks, axis=1), entries)
+
+    keys, values = layer_entries(cache_k, k), layer_entries(cache_v, v)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    seen = (slot[None, None, :] <= positions[:, :, None]) & (slot[None, None, :] >= start[:, None, None])  # [B, T, S]
+    probs = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, values, preferred_element_type=jnp.float32)
+
+
+def _attend_forward(q, k, v, cache_k, cache_v, positions, layer, start):
+    return _attend(q, k, v, cache_k, cache_v, positions, layer, start), (
+        q,
+        k,
+        v,
+        cache_k,
+        cache_v,
+        positions,
+        layer,
+        start,
+    )
+
+
+def _attend_backward(residuals, cotangent):
+    q, k, v, cache_k, cache_v, positions, layer, start = residuals
+    floats = lambda *a: reference(*a, positions, layer, start)
+    _, pullback = jax.vjp(floats, q, k, v, cache_k, cache_v)
+    return (*pullback(cotangent), None, None, None)
+
+
+_attend.defvjp(_attend_forward, _attend_backward)
