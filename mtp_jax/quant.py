@@ -166,7 +166,8 @@ def quantized_einsum(equation: str, x: jax.Array, weight: QuantizedArray) -> jax
 def rounded_rows(equation: str, x: jax.Array, weight: QuantizedArray) -> jax.Array:
     """x (float32) rounded to int8 per block of the contracting elements that `weight`'s scales cut (llama.cpp's
     Q8_1): d = max |x| / 127 over the block, q = x / d rounded to the nearest integer (ties to even), returned as
-    q * d. The row kernel (native/row_int8.h) rounds the same way and sums the products of q as integers."""
+    q * d. The row kernel (native/row_int8.h) rounds the same way and sums the products of q as integers. Its
+    gradient is x's own (straight through the rounding, whose own is zero almost everywhere)."""
     inputs, out = equation.split("->")
     lhs, rhs = inputs.split(",")
     own = lhs.removeprefix("...")
@@ -183,7 +184,8 @@ def rounded_rows(equation: str, x: jax.Array, weight: QuantizedArray) -> jax.Arr
     blocks = x.reshape(split)
     d = jnp.max(jnp.abs(blocks), axis=tuple(inner), keepdims=True) / INT8_ROW_LEVELS
     inverse = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
-    return (jnp.round(blocks * inverse) * d).reshape(x.shape)
+    rounded = (jnp.round(blocks * inverse) * d).reshape(x.shape)
+    return jax.lax.stop_gradient(rounded) + (x - jax.lax.stop_gradient(x))  # the value rounded exactly
 
 
 def round_rows_to_int8(model) -> int:

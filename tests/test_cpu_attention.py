@@ -96,3 +96,18 @@ def test_fused_attention_is_the_same_bits_alone_and_in_any_pass(form):
         written_k, written_v = written_k.at[index].set(k[:, i]), written_v.at[index].set(v[:, i])
     last = attend(True, q[:, 3:], k[:, 3:], v[:, 3:], positions[:, 3:], written_k, written_v, None, form=form)
     np.testing.assert_array_equal(last, block[:, 3:])
+
+
+def test_kernel_matches_its_reference_past_the_cache_and_before_visible_from():
+    """A block may lie past the cache's last slot (an MTP cache of fewer slots than positions) or start before
+    `visible_from`: its own entries are attended to causally all the same, and only cache slots are cut."""
+    q, k, v, _, stack_k = inputs(3, seed=3)
+    q = q.reshape(B, 3, K, G, H)
+    small_k, small_v = stack_k[:, :, :8], stack_k[:, :, 8:16]  # 8 slots
+    positions = jnp.asarray([12, 5, 0], jnp.int32)[:, None] + jnp.arange(3)
+    start = jnp.asarray([2, 6, 0], jnp.int32)  # row 1: after its block's first position
+    layer = jnp.int32(2)
+    args = (q, k, v, small_k, small_v, positions, layer, start)
+    past = [cache_attention.LayerSlots(c, layer) for c in (small_k, small_v)]
+    fused = cpu_attention.attend(q, k, v, positions, *past, start)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(cpu_attention.reference(*args)), rtol=1e-5, atol=1e-5)

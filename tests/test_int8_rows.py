@@ -60,6 +60,8 @@ def test_rounded_rows_round_each_block_by_its_largest_value():
         np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)  # whole steps of d
         assert np.all(np.abs(steps) <= 127.0001) and np.all(np.abs(got - block) <= d / 2 * 1.0001)
     assert np.all(rounded[1, 32:] == 0)
+    gradient = jax.grad(lambda x: jnp.sum(quant.rounded_rows("MK,KN->MN", x, weight) * 3.0))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(gradient), 3.0)  # straight through the rounding
 
 
 def test_xla_product_matches_the_exact_reference():

@@ -1,13 +1,14 @@
-"""Batch-invariant decode attention on a CPU in one call per layer: native/cache_attention.cc, built into the row
-kernel's library (models/cpu_rows.py registers both).
+"""Decode attention on a CPU in one call per layer: native/cache_attention.cc, built into the row kernel's library
+(models/cpu_rows.py registers both).
 
 The batch-invariant form written with XLA ops (`cache_attention.attend_written_cache`) copies each layer's chunk of
 keys and values, with the block's entries merged in, into the layout its products read, and runs a few dozen small
 ops a layer: at batch 1 on a 2-core CPU that was about half of a decode step of the default model
 (docs/benchmarks.md). The kernel reads keys and values where they lie in the stacked cache, takes the block's
-entries for the slots they are written to, and gives each query its softmax over the slots up to its own position,
-summed in slot order: a query's result depends on nothing else in the pass, so it is batch-invariant by
-construction (its numerics are its own: not the bits of the XLA form).
+entries for the slots they are written to, and gives each query its softmax over the cache before its block and,
+causally, the block, summed in slot order: a query's result depends on nothing else in the pass, so it is
+batch-invariant by construction (its numerics are its own: not the bits of the XLA forms). It serves every pass of
+batch-invariant decoding and, outside it, decode steps and verify blocks (`DECODE_POSITIONS`).
 """
 
 from __future__ import annotations
@@ -57,29 +58,26 @@ def attend(q, k, v, positions, past_k, past_v, visible_from) -> jax.Array:
 
 @jax.custom_vjp
 def _attend(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
-    call = jax.ffi.ffi_call(cpu_rows.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(
+        cpu_rows.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
+    )
     return call(q, cache_k, cache_v, layer, k, v, positions, start)
 
 
 def reference(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
-    """What the kernel computes, in XLA's ops: layer `layer` of the caches [L, B, S, K, H] with the block's entries
-    k / v [B, T, K, H] written at positions[:, 0] .., each query [B, T, K, G, H] over the slots start .. its own
-    position."""
+    """What the kernel computes, in XLA's ops: each query [B, T, K, G, H] over layer `layer`'s cache slots [L, B,
+    S, K, H] from start[b] to positions[b, 0] - 1 and, causally, over the block's entries k / v [B, T, K, H]."""
     t = positions.shape[1]
-    slot = jnp.arange(cache_k.shape[2])
-    index = slot[None, :] - positions[:, :1]  # [B, S] the block entry a slot takes
-    written = ((index >= 0) & (index < t))[:, :, None, None]
-    picks = jnp.clip(index, 0, t - 1)[:, :, None, None]
-
-    def layer_entries(cache, block):  # [B, S, K, H]
-        entries = jax.lax.dynamic_index_in_dim(cache, layer, 0, keepdims=False)
-        return jnp.where(written, jnp.take_along_axis(block, picks, axis=1), entries)
-
-    keys, values = layer_entries(cache_k, k), layer_entries(cache_v, v)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
-    seen = (slot[None, None, :] <= positions[:, :, None]) & (slot[None, None, :] >= start[:, None, None])  # [B, T, S]
-    probs = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, values, preferred_element_type=jnp.float32)
+    keys, values = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
+    slot = jnp.arange(keys.shape[1])
+    seen = (slot[None, :] < positions[:, :1]) & (slot[None, :] >= start[:, None])  # [B, S]
+    past = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    past = jnp.where(seen[:, None, None, None], past, -jnp.inf)
+    own = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=jnp.float32)
+    own = jnp.where(jnp.tril(jnp.ones((t, t), bool)), own, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., : slot.size], values, preferred_element_type=jnp.float32)
+    return out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., slot.size :], v, preferred_element_type=jnp.float32)
 
 
 def _attend_forward(q, k, v, cache_k, cache_v, positions, layer, start):

@@ -1,6 +1,6 @@
-// Batch-invariant decode attention over a layer's cache in one call (mtp_jax/models/cpu_attention.py binds it):
-// every query attends to the slots up to its own position, reading keys and values where they lie in the stacked
-// cache, the block's own entries in place of the slots they are written to.
+// Decode attention over a layer's cache in one call (mtp_jax/models/cpu_attention.py binds it): every query attends
+// to the cache before its block, reading keys and values where they lie in the stacked cache, and causally to the
+// block's own entries; batch-invariant by construction.
 //
 //   q        [B, T, K, G, H] float32 queries, already scaled (K kv heads, G queries per kv head)
 //   cache_k  [L, B, S, K, H] float32 (cache_v the same); layer `layer` (int32 scalar) is read
@@ -8,9 +8,10 @@
 //   positions [B, T] int32, contiguous per row; from [B] int32: slots before it are not seen (0: all)
 //   out      [B, T, K, G, H] float32
 //
-// A query at position p of row b sees slots from[b] .. p: score_s = q . key_s (16 lane chains over H, added in a
-// fixed tree), m = the largest score, out = sum_s exp(score_s - m) value_s / sum_s exp(score_s - m), both sums in
-// slot order. Nothing in a query's result depends on the other queries of the pass, their rows or their number.
+// The t-th query of row b sees the cache slots from[b] .. positions[b, 0] - 1, then the block's entries 0 .. t (in
+// slot order: the slots they are written to): score_j = q . key_j (16 lane chains over H, added in a fixed tree),
+// m = the largest score, out = sum_j exp(score_j - m) value_j / sum_j exp(score_j - m), both sums in that order.
+// Nothing in a query's result depends on the other queries of the pass, their rows or their number.
 
 #include <algorithm>
 #include <atomic>
@@ -34,51 +35,42 @@ struct Shapes {
   int64_t B, T, K, G, H, S;
 };
 
-// One (row, kv head) pair: its T x G queries over their visible slots.
+// One (row, kv head) pair: its T x G queries, each over the cache slots from[b] .. positions[b, 0] - 1 (those
+// before the block; later ones are stale) and then, causally, the block's entries up to its own.
 void attend_pair(const float* q, const float* keys, const float* values, const float* block_k,
                  const float* block_v, const int32_t* positions, int32_t from, const Shapes& d, int64_t b, int64_t k,
                  float* out, std::vector<float>& scores) {
   const int64_t H = d.H, vectors = H / kLanes, slot_stride = d.K * H;
-  const int64_t start = positions[b * d.T];
-  auto key_of = [&](int64_t s) {  // the slot's key as this pass sees it: the block's where it writes
-    const int64_t i = s - start;
-    return i >= 0 && i < d.T ? block_k + ((b * d.T + i) * d.K + k) * H : keys + (b * d.S + s) * slot_stride + k * H;
-  };
-  auto value_of = [&](int64_t s) {
-    const int64_t i = s - start;
-    return i >= 0 && i < d.T ? block_v + ((b * d.T + i) * d.K + k) * H : values + (b * d.S + s) * slot_stride + k * H;
+  const int64_t first = std::max<int32_t>(from, 0), cached = std::min<int64_t>(positions[b * d.T], d.S) - first;
+  auto entry = [&](const float* cache, const float* block, int64_t j) {  // j < cached: a slot; then the block
+    return j < cached ? cache + (b * d.S + first + j) * slot_stride + k * H
+                      : block + ((b * d.T + j - std::max<int64_t>(cached, 0)) * d.K + k) * H;
   };
   for (int64_t t = 0; t < d.T; ++t) {
-    const int64_t last = std::min<int64_t>(positions[b * d.T + t], d.S - 1), first = std::max<int32_t>(from, 0);
+    const int64_t n = std::max<int64_t>(cached, 0) + t + 1;  // the entries this query sees
     for (int64_t g = 0; g < d.G; ++g) {
       const float* query = q + (((b * d.T + t) * d.K + k) * d.G + g) * H;
       float* o = out + (((b * d.T + t) * d.K + k) * d.G + g) * H;
-      if (last < first) {
-        std::fill(o, o + H, 0.0f);
-        continue;
-      }
-      const int64_t n = last - first + 1;
       scores.resize(n);
       float largest = -INFINITY;
-      for (int64_t s = first; s <= last; ++s) {
-        const float* key = key_of(s);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* key = entry(keys, block_k, j);
         Vec acc = {};
-        for (int64_t j = 0; j < vectors; ++j)
-          acc = rows::fma(rows::load(query + j * kLanes), rows::load(key + j * kLanes), acc);
-        const float score = rows::tree_sum(acc);
-        scores[s - first] = score;
-        largest = std::max(largest, score);
+        for (int64_t i = 0; i < vectors; ++i)
+          acc = rows::fma(rows::load(query + i * kLanes), rows::load(key + i * kLanes), acc);
+        scores[j] = rows::tree_sum(acc);
+        largest = std::max(largest, scores[j]);
       }
       float total = 0.0f;
       Vec sum[8] = {};  // H / 16 <= 8 (checked)
-      for (int64_t s = first; s <= last; ++s) {
-        const float p = std::exp(scores[s - first] - largest);
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = std::exp(scores[j] - largest);
         total += p;
-        const float* value = value_of(s);
-        for (int64_t j = 0; j < vectors; ++j) sum[j] = rows::fma(Vec{} + p, rows::load(value + j * kLanes), sum[j]);
+        const float* value = entry(values, block_v, j);
+        for (int64_t i = 0; i < vectors; ++i) sum[i] = rows::fma(Vec{} + p, rows::load(value + i * kLanes), sum[i]);
       }
-      for (int64_t j = 0; j < vectors; ++j)
-        for (int i = 0; i < kLanes; ++i) o[j * kLanes + i] = sum[j][i] / total;
+      for (int64_t i = 0; i < vectors; ++i)
+        for (int lane = 0; lane < kLanes; ++lane) o[i * kLanes + lane] = sum[i][lane] / total;
     }
   }
 }
