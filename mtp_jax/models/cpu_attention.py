@@ -80,17 +80,8 @@ def reference(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
     return out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., slot.size :], v, preferred_element_type=jnp.float32)
 
 
-def _attend_forward(q, k, v, cache_k, cache_v, positions, layer, start):
-    return _attend(q, k, v, cache_k, cache_v, positions, layer, start), (
-        q,
-        k,
-        v,
-        cache_k,
-        cache_v,
-        positions,
-        layer,
-        start,
-    )
+def _attend_forward(*operands):
+    return _attend(*operands), operands
 
 
 def _attend_backward(residuals, cotangent):
