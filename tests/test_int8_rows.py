@@ -19,7 +19,7 @@ from test_quant import logits_errors
 import mtp_jax
 from mtp_jax import checkpoint, quant, speculative
 from mtp_jax.errors import UserError
-from mtp_jax.models import cpu_rows
+from mtp_jax.models import cpu_rows, rowwise
 from mtp_jax.models.stacked_weights import StackedWeight
 
 needs_kernel = pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here")
@@ -72,6 +72,15 @@ def test_xla_product_matches_the_exact_reference():
     plain_weight = dataclasses.replace(weight, int8_rows=False)
     unrounded = np.asarray(quant.quantized_einsum("MK,KN->MN", jnp.asarray(x), plain_weight))
     assert np.max(np.abs(got - unrounded)) > 1e-4  # the rounding is there: another model of the same weights
+
+
+def test_every_path_of_a_projection_rounds():
+    """A prefill of more than 64 rows multiplies by the weight dequantized first (`rowwise._dequantized_first`): its
+    rows are rounded there too, so a prompt's logits come from the same model as its decode steps'."""
+    weight = rounded_weight((96, 64), seed=11)
+    x = np.asarray(jax.random.normal(jax.random.key(12), (100, 96)), np.float32)
+    got = np.asarray(rowwise.project("MK,KN->MN", jnp.asarray(x), weight))
+    np.testing.assert_allclose(got, exact_product(x, weight), rtol=2e-5, atol=2e-5)
 
 
 @needs_kernel

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from mtp_jax.models import cpu_rows, fixed_tiles, matmul_layout
 from mtp_jax.models.stacked_weights import StackedWeight, layer_value
-from mtp_jax.quant import QuantizedArray, quantized_einsum
+from mtp_jax.quant import QuantizedArray, quantized_einsum, rounded_rows
 from mtp_jax.sharding import active_platform, one_device_active
 
 DEQUANTIZED_ROWS = 64  # a pass of more rows multiplies by a quantized weight dequantized first
@@ -47,7 +47,8 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
     bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if fixed_tiles.in_use():  # a quantized weight read as stored
-        return fixed_tiles.einsum(equation, x, layer_value(weight)).astype(out_dtype)
+        weight = layer_value(weight)
+        return fixed_tiles.einsum(equation, rows_as_read(equation, x, weight), weight).astype(out_dtype)
     if isinstance(weight, StackedWeight) and not cpu_rows.takes(equation, x, weight, fixed_tiles.tracing_invariant()):
         weight = weight.take()  # a layer's weight read in place by the kernel only
     xla = functools.partial(_xla_project, equation, out_dtype=out_dtype)
@@ -62,10 +63,16 @@ def _xla_project(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
     if isinstance(weight, QuantizedArray) and not _dequantized_first(equation, x, weight):
         return quantized_einsum(equation, x, weight).astype(out_dtype)  # the stored values in the matmul
     if isinstance(weight, QuantizedArray):
-        weight = weight.dequantize()
+        x, weight = rows_as_read(equation, x, weight), weight.dequantize()
     if _batched(equation) and out_dtype == x.dtype:
         return jnp.einsum(equation, x, weight)
     return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def rows_as_read(equation: str, x: jax.Array, weight) -> jax.Array:
+    """x as a product by `weight` reads it: rounded to int8 per block where the weight says so (`quant.rounded_rows`;
+    `quantized_einsum` and the CPU kernel round by themselves), else as it is."""
+    return rounded_rows(equation, x, weight) if isinstance(weight, QuantizedArray) and weight.int8_rows else x
 
 
 def _dequantized_first(equation: str, x: jax.Array, weight: QuantizedArray) -> bool:
