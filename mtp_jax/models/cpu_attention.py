@@ -65,18 +65,20 @@ def _attend(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
 
 
 def reference(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
-    """What the kernel computes, in XLA's ops (the one-pass form of models/cache_attention.py): each query [B, T, K,
-    G, H] over layer `layer`'s cache slots [L, B, S, K, H] from start[b] to positions[b, 0] - 1 and, causally, over
-    the block's entries k / v [B, T, K, H]."""
-    from mtp_jax.models.cache_attention import past_and_block_probs  # which imports this module
-
+    """What the kernel computes, in XLA's ops (cache_attention's one-pass form, written here: that module imports
+    this one): each query [B, T, K, G, H] over layer `layer`'s cache slots [L, B, S, K, H] from start[b] to
+    positions[b, 0] - 1 and, causally, over the block's entries k / v [B, T, K, H]."""
+    t = positions.shape[1]
     keys, values = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
-    f32 = jnp.float32
-    past = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=f32)
-    own = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
-    past_probs, own_probs = past_and_block_probs(past, own, positions, start)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs, values, preferred_element_type=f32)
-    return out + jnp.einsum("BKGTU,BUKH->BTKGH", own_probs, v, preferred_element_type=f32)
+    slot = jnp.arange(keys.shape[1])
+    seen = (slot[None, :] < positions[:, :1]) & (slot[None, :] >= start[:, None])  # [B, S]
+    past = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    past = jnp.where(seen[:, None, None, None], past, -jnp.inf)
+    own = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=jnp.float32)
+    own = jnp.where(jnp.tril(jnp.ones((t, t), bool)), own, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., : slot.size], values, preferred_element_type=jnp.float32)
+    return out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., slot.size :], v, preferred_element_type=jnp.float32)
 
 
 def _attend_forward(*operands):
