@@ -62,7 +62,7 @@ void attend_pair(const float* q, const float* keys, const float* values, const f
         largest = std::max(largest, scores[j]);
       }
       float total = 0.0f;
-      Vec sum[8] = {};  // H / 16 <= 8 (checked)
+      Vec sum[rows::kMaxHeadDim / kLanes] = {};  // H <= kMaxHeadDim (checked)
       for (int64_t j = 0; j < n; ++j) {
         const float p = std::exp(scores[j] - largest);
         total += p;
@@ -84,7 +84,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("cache_attention: q is [B, T, K, G, H], caches [L, B, S, K, H], blocks [B, T, K, H]");
   const Shapes d{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
   if (cd[1] != d.B || cd[3] != d.K || cd[4] != d.H || bd[0] != d.B || bd[1] != d.T || bd[2] != d.K || bd[3] != d.H ||
-      d.H % kLanes != 0 || d.H > 8 * kLanes || positions.element_count() != d.B * d.T || from.element_count() != d.B)
+      d.H % kLanes != 0 || d.H > rows::kMaxHeadDim || positions.element_count() != d.B * d.T || from.element_count() != d.B)
     return ffi::Error::InvalidArgument("cache_attention: shapes do not agree, or H is not 16, 32, ..., 128");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("cache_attention: layer out of range");

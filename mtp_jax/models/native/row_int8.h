@@ -7,8 +7,8 @@
 //   out[n] += isum[n] * (scale[b, n] * d) + min[b, n] * s    (blocks in order, one fused multiply-add chain)
 // Integer sums do not depend on their order, and the float chain per column is the same whatever M, so a row's
 // result is the same bits whatever else shares the pass. With AVX512-VNNI and VBMI the sums are vpdpbusd over
-// four contracting elements a lane (64 products an instruction, against 16 for float32 fused multiply-adds); any
-// other CPU sums the same integers one by one.
+// four contracting elements a lane (64 products an instruction, against 16 for float32 fused multiply-adds); with
+// AVX2 they are vpmaddubsw then vpmaddwd (as llama.cpp's Q4 x Q8 kernels do); any other CPU sums them one by one.
 
 #pragma once
 
@@ -22,7 +22,8 @@ namespace rows {
 typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 template <int R>
-constexpr int kInt8Strips = 48 / R > 0 ? 48 / R : 1;  // 32-column strips a pass keeps in L1 (R x 12 KB at most)
+constexpr int kInt8Strips = 768 / (2 * kLanes) / R > 0 ? 768 / (2 * kLanes) / R : 1;  // strips of 2 kLanes columns
+// a pass keeps in L1 (R x 12 KB at most)
 
 // x's rows rounded per block: q [M, K], d and s [M, KB].
 struct RoundedRows {
@@ -82,6 +83,33 @@ inline void add_quad(const uint8_t* first, int64_t row_bytes, const int8_t* cons
     for (int r = 0; r < R; ++r) {
       sums[r][s][0] = (Ints)_mm512_dpbusd_epi32((__m512i)sums[r][s][0], even, x[r]);
       sums[r][s][1] = (Ints)_mm512_dpbusd_epi32((__m512i)sums[r][s][1], odd, x[r]);
+    }
+  }
+#elif defined(ROWS_AVX2)
+  // vpmaddubsw multiplies the weight's unsigned bytes by x's signed ones and adds neighbours (at most 2 x 15 x 127:
+  // no saturation); vpmaddwd by ones adds those pairs: each lane's four products, as integers
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i x[R];
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    std::memcpy(&four, q[r], sizeof four);
+    x[r] = _mm256_set1_epi32(four);
+  }
+  auto row = [&](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
+  for (int s = 0; s < strips; ++s) {
+    const uint8_t* p = first + s * kLanes;
+    if (s % 8 == 0)  // a cache line holds eight strips of a row: the rows eight ahead
+      for (int i = 0; i < 4; ++i) __builtin_prefetch(p + (8 + i) * row_bytes);
+    const __m128i rows01 = _mm_unpacklo_epi8(row(p), row(p + row_bytes));  // byte i of row 0, of row 1, ...
+    const __m128i rows23 = _mm_unpacklo_epi8(row(p + 2 * row_bytes), row(p + 3 * row_bytes));
+    const __m256i quads = _mm256_set_m128i(_mm_unpackhi_epi16(rows01, rows23), _mm_unpacklo_epi16(rows01, rows23));
+    const __m256i even = _mm256_and_si256(quads, nibble);  // lane i: byte i of rows 0..3, low nibbles
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(quads, 4), nibble);
+    for (int r = 0; r < R; ++r) {
+      const __m256i e = _mm256_madd_epi16(_mm256_maddubs_epi16(even, x[r]), ones);
+      const __m256i o = _mm256_madd_epi16(_mm256_maddubs_epi16(odd, x[r]), ones);
+      sums[r][s][0] = (Ints)_mm256_add_epi32((__m256i)sums[r][s][0], e);
+      sums[r][s][1] = (Ints)_mm256_add_epi32((__m256i)sums[r][s][1], o);
     }
   }
 #else

@@ -2,7 +2,7 @@
 // activation and weight type, so that a build runs on every core).
 //
 // With KB = 1 and no mins, out[g, m, n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 (for
-// `transposed`: 16 chains over the residues of k mod 16, then added in a fixed tree), then times the scale. With
+// `transposed`: kLanes chains over the residues of k mod kLanes, then added in a fixed tree), then times the scale. With
 // blocks, each block's products are such a chain, and the blocks' chains times their scales (and the mins times the
 // blocks' sums of x) are added in block order. Rows are taken up to eight at a time so that a weight tile is read
 // once for them, but every row's chain is the same instructions on the same values: a row's result does not depend
@@ -20,19 +20,50 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX512F__)
+#define ROWS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // x86-64-v3
+#define ROWS_AVX2 1
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__SSE4_1__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace rows {
 
-constexpr int kLanes = 16;           // floats per vector
+// A vector is the widest register of the build's ISA level (kernel_build.py names the level): 16 floats with
+// AVX512, 8 with AVX2 + FMA, 4 elsewhere (SSE4, NEON, generic). Every order of sums below is stated in lanes, so a
+// row's result does not depend on the pass within one build; builds for other levels may differ in the last bits.
+#if defined(ROWS_AVX512)
+constexpr int kLanes = 16;
+constexpr const char* kIsa = "avx512";
+#elif defined(ROWS_AVX2)
+constexpr int kLanes = 8;
+constexpr const char* kIsa = "avx2";
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+constexpr int kLanes = 4;
+constexpr const char* kIsa = "neon-dotprod";
+#elif defined(__ARM_NEON)
+constexpr int kLanes = 4;
+constexpr const char* kIsa = "neon";
+#elif defined(__SSE4_1__)
+constexpr int kLanes = 4;
+constexpr const char* kIsa = "sse4";
+#else
+constexpr int kLanes = 4;
+constexpr const char* kIsa = "generic";
+#endif
 constexpr int kSums = 8192;          // sums of one block (rows x columns) kept in L1
 template <int R>
 constexpr int kBlock = kSums / R / 32 * 32;  // columns per block (whole pairs of vectors)
 constexpr int kRowsPerPass = 8;      // rows sharing a weight tile
 constexpr int kPrefetchRows = 8;    // weight rows read ahead of the sums (the rows of a block lie N apart)
-constexpr int kTransposedColumns = 8;  // weight rows per pass when transposed, up to 2 rows (fewer above)
+constexpr int kTransposedColumns = kLanes == 16 ? 8 : 4;  // weight rows per pass when transposed, up to 2 rows
+// (fewer above): their sums and weights fill the registers (32 with AVX512, 16 with AVX2)
+constexpr int kMaxHeadDim = 128;     // the decode attention's head dimension, at most
 
 struct U4 {};  // the element type of a packed 4-bit weight (two values to a byte)
 
@@ -59,27 +90,37 @@ inline float half_to_float(uint16_t h) {  // IEEE float16 -> float32, exact
 }
 
 // a * b + c with one rounding, spelled out: left to -ffp-contract, one instantiation of a loop was contracted
-// differently from another, and a row's bits then depended on how many rows shared its pass.
+// differently from another, and a row's bits then depended on how many rows shared its pass. Without a fused
+// multiply-add in hardware (x86-64-v2, generic): the product rounded, then the sum, the same two steps everywhere
+// (the build turns contraction off there: kernel_build.py).
 inline Vec fma(Vec a, Vec b, Vec c) {
 #if defined(__AVX512F__)
   return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(ROWS_AVX2)
+  return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_FMA)
+  return (Vec)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#elif defined(__FMA__)
+  return (Vec)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
 #else
-  Vec r;
-  for (int i = 0; i < kLanes; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
-  return r;
+  return a * b + c;
 #endif
 }
 
 template <typename W>
-inline Vec load(const W* p) {  // 16 consecutive values as float32 (exact for each type)
+inline Vec load(const W* p) {  // kLanes consecutive values as float32 (exact for each type)
   Vec v;
   for (int i = 0; i < kLanes; ++i) v[i] = to_float(p[i]);
   return v;
 }
 
-#if defined(__AVX512F__)
 template <>
-inline Vec load(const float* p) { return (Vec)_mm512_loadu_ps(p); }
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+#if defined(__AVX512F__)
 template <>
 inline Vec load(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -89,27 +130,39 @@ template <>
 inline Vec load(const int8_t* p) {
   return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-#elif defined(__AVX2__)
-inline Vec join(__m256 lo, __m256 hi) {
-  Vec v;
-  std::memcpy(&v, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
-}
+#elif defined(ROWS_AVX2)
 template <>
 inline Vec load(const uint16_t* p) {
-  auto half = [](const uint16_t* q) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  };
-  return join(half(p), half(p + 8));
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 template <>
 inline Vec load(const int8_t* p) {
-  auto half = [](const int8_t* q) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-  };
-  return join(half(p), half(p + 8));
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__SSE4_1__)
+template <>
+inline Vec load(const uint16_t* p) {
+  __m128i wide = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (Vec)_mm_castsi128_ps(_mm_slli_epi32(wide, 16));
+}
+template <>
+inline Vec load(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return (Vec)_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
+}
+#elif defined(__ARM_NEON)
+template <>
+inline Vec load(const uint16_t* p) {
+  return (Vec)vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
+template <>
+inline Vec load(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  const int8x8_t bytes = vreinterpret_s8_s32(vdup_n_s32(four));
+  return (Vec)vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(bytes))));
 }
 #endif
 
@@ -120,17 +173,24 @@ inline Vec load_partial(const W* p, int count) {  // lanes past `count` are zero
   return v;
 }
 
-inline Vec load_nibbles(const uint8_t* p) {  // 16 consecutive 4-bit values from 8 bytes (even index: low nibble)
-#if defined(__AVX2__) || defined(__AVX512F__)
-  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // 8 x uint16
+inline Vec load_nibbles(const uint8_t* p) {  // kLanes consecutive 4-bit values from kLanes / 2 bytes (even: low)
+#if defined(ROWS_AVX2) || defined(ROWS_AVX512)
+  __m128i packed;
+  if constexpr (kLanes == 16) {
+    packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  } else {
+    int32_t four;
+    std::memcpy(&four, p, sizeof four);
+    packed = _mm_cvtsi32_si128(four);
+  }
+  const __m128i bytes = _mm_cvtepu8_epi16(packed);  // one uint16 a byte
   const __m128i low = _mm_and_si128(bytes, _mm_set1_epi16(0x000F));
   const __m128i high = _mm_and_si128(_mm_slli_epi16(bytes, 4), _mm_set1_epi16(0x0F00));
-  const __m128i nibbles = _mm_or_si128(low, high);  // 16 bytes, one value each, in order
+  const __m128i nibbles = _mm_or_si128(low, high);  // one value a byte, in order
 #if defined(__AVX512F__)
   return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
 #else
-  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)),
-              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nibbles, 8))));
+  return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
 #endif
 #else
   Vec v;
@@ -139,12 +199,15 @@ inline Vec load_nibbles(const uint8_t* p) {  // 16 consecutive 4-bit values from
 #endif
 }
 
-inline Vec load_halves(const uint16_t* p) {  // 16 consecutive float16 values as float32
+inline Vec load_halves(const uint16_t* p) {  // kLanes consecutive float16 values as float32
 #if defined(__AVX512F__)
   return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__) && defined(__AVX2__)
-  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+#elif defined(ROWS_AVX2)
+  return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__F16C__)
+  return (Vec)_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__ARM_NEON)
+  return (Vec)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 #else
   Vec v;
   for (int i = 0; i < kLanes; ++i) v[i] = half_to_float(p[i]);
@@ -163,7 +226,7 @@ struct Weights {
 };
 
 template <>
-struct Weights<U4> {  // i even wherever a vector starts: N (or K when transposed) is even, vectors start at 16 k
+struct Weights<U4> {  // i even wherever a vector starts: N (or K when transposed) is even, vectors at kLanes k
   const uint8_t* data;
   Vec load(int64_t i) const { return load_nibbles(data + i / 2); }
   Vec load_partial(int64_t i, int count) const {
@@ -190,7 +253,7 @@ struct Blocks {
     return half_to_float(static_cast<const uint16_t*>(p)[i]);
 #endif
   }
-  Vec vector(const void* p, int64_t i, int count) const {  // count <= 16 consecutive values, lanes past it zero
+  Vec vector(const void* p, int64_t i, int count) const {  // count <= kLanes consecutive values, lanes past it zero
     if (count == kLanes)
       return half ? load_halves(static_cast<const uint16_t*>(p) + i) : rows::load(static_cast<const float*>(p) + i);
     Vec v = {};
@@ -204,19 +267,24 @@ struct Blocks {
   }
 };
 
-// 32 consecutive packed 4-bit values from 16 bytes, split into the even-indexed ones and the odd-indexed ones.
+// 2 kLanes consecutive packed 4-bit values from kLanes bytes, split into the even-indexed ones and the odd-indexed
+// ones.
 inline void load_nibble_pairs(const uint8_t* p, Vec& even, Vec& odd) {
 #if defined(__AVX512F__)
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   even = (Vec)_mm512_permutexvar_ps(bytes, levels);  // a lane's bits 0..3 pick the level: the low nibble
   odd = (Vec)_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), levels);
-#elif defined(__AVX2__)
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i first = _mm256_cvtepu8_epi32(packed), second = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));
-  const __m256i mask = _mm256_set1_epi32(15);
-  even = join(_mm256_cvtepi32_ps(_mm256_and_si256(first, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(second, mask)));
-  odd = join(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)));
+#elif defined(ROWS_AVX2)
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  even = (Vec)_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+  odd = (Vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+#elif defined(__SSE4_1__)
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  const __m128i bytes = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(four));
+  even = (Vec)_mm_cvtepi32_ps(_mm_and_si128(bytes, _mm_set1_epi32(15)));
+  odd = (Vec)_mm_cvtepi32_ps(_mm_srli_epi32(bytes, 4));
 #else
   for (int i = 0; i < kLanes; ++i) {
     even[i] = static_cast<float>(p[i] & 15);
@@ -225,17 +293,28 @@ inline void load_nibble_pairs(const uint8_t* p, Vec& even, Vec& odd) {
 #endif
 }
 
-// count <= 32 consecutive per-block values (scales or mins) from i, split into even- and odd-indexed lanes.
+// count <= 2 kLanes consecutive per-block values (scales or mins) from i, split into even- and odd-indexed lanes.
 inline void block_pairs(const Blocks& q, const void* p, int64_t i, int count, Vec& even, Vec& odd) {
-#if defined(__AVX512F__)
   if (count == 2 * kLanes) {
+#if defined(__AVX512F__)
     const __m512 first = (__m512)q.vector(p, i, kLanes), second = (__m512)q.vector(p, i + kLanes, kLanes);
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     even = (Vec)_mm512_permutex2var_ps(first, evens, second);
     odd = (Vec)_mm512_permutex2var_ps(first, _mm512_add_epi32(evens, _mm512_set1_epi32(1)), second);
     return;
-  }
+#elif defined(ROWS_AVX2)
+    const __m256 first = (__m256)q.vector(p, i, kLanes), second = (__m256)q.vector(p, i + kLanes, kLanes);
+    // per 128-bit half: [f0 f2 s0 s2 | f4 f6 s4 s6]; then its 64-bit quarters in the order 0, 2, 1, 3
+    even = (Vec)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(first, second, 0x88)), 0xD8));
+    odd = (Vec)_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(first, second, 0xDD)), 0xD8));
+    return;
+#elif defined(__SSE4_1__)
+    const __m128 first = (__m128)q.vector(p, i, kLanes), second = (__m128)q.vector(p, i + kLanes, kLanes);
+    even = (Vec)_mm_shuffle_ps(first, second, 0x88);
+    odd = (Vec)_mm_shuffle_ps(first, second, 0xDD);
+    return;
 #endif
+  }
   even = Vec{};
   odd = Vec{};
   for (int c = 0; c < count; ++c) (c % 2 ? odd : even)[c / 2] = q.value(p, i + c);
@@ -462,13 +541,9 @@ void blocked_column_block(const X* x, int64_t K, Weights<W> w, int64_t N, int64_
     for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / kLanes][c % kLanes];
 }
 
-typedef int32_t Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-inline float tree_sum(Vec v) {  // lanes added pairwise in a fixed tree: i + 8, then i + 4, i + 2, i + 1
-  v = v + __builtin_shuffle(v, Lanes{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-  v = v + __builtin_shuffle(v, Lanes{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-  v = v + __builtin_shuffle(v, Lanes{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-  v = v + __builtin_shuffle(v, Lanes{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+inline float tree_sum(Vec v) {  // lanes added pairwise in a fixed tree: i + kLanes / 2, ..., then i + 1
+  for (int half = kLanes / 2; half >= 1; half /= 2)
+    for (int i = 0; i < half; ++i) v[i] += v[i + half];
   return v[0];
 }
 
@@ -507,7 +582,13 @@ void blocked_row_block(const X* x, int64_t K, Weights<W> w, int64_t N, int64_t n
   const int64_t Kb = K / q.KB;
   Vec acc[R][C] = {};
   float shift[R][C] = {};
+  // the C rows two passes ahead lie in one run of bytes: a share of it fetched per block (rows of a few hundred
+  // bytes are streams too short for the hardware's prefetcher)
+  const char* ahead = static_cast<const char*>(w.address((n0 + 2 * C) * K));
+  const int64_t share = (static_cast<const char*>(w.address((n0 + 3 * C) * K)) - ahead) / q.KB;
   for (int64_t b = 0; b < q.KB; ++b) {
+    if (n0 + 3 * C <= N)
+      for (int64_t i = b * share; i < (b + 1) * share; i += 64) __builtin_prefetch(ahead + i);
     Vec part[R][C] = {};
     for (int64_t k = b * Kb; k < (b + 1) * Kb; k += kLanes) {
       Vec wv[C];
@@ -562,11 +643,18 @@ void blocked_rows_by_block(const X* x, int64_t K, Weights<W> w, int64_t N, bool 
     }
     return;
   }
-  // 2 * R * C sums and C weight vectors in registers
-  constexpr int C = R == 1 ? kTransposedColumns : R == 2 ? kTransposedColumns / 2 : R <= 4 ? 2 : 1;
+  // 2 * R * C sums and C weight vectors in registers: with 16 of them (AVX2, SSE), at most 4 rows at once, so the
+  // rows past the fourth take the same columns in a second pass (their bytes still in L1)
+  constexpr int R0 = kLanes == 16 || R <= 4 ? R : 4, R1 = R - R0;
+  constexpr int C = R0 == 1 ? kTransposedColumns : R0 == 2 ? kTransposedColumns / 2 : R0 <= 4 && kLanes == 16 ? 2 : 1;
+  auto pass = [&](auto columns, int64_t n) {
+    blocked_row_block<R0, decltype(columns)::value>(x, K, w, N, n, q, sums, out);
+    if constexpr (R1 > 0)
+      blocked_row_block<R1, decltype(columns)::value>(x + R0 * K, K, w, N, n, q, sums + R0 * q.KB, out + R0 * N);
+  };
   int64_t n = n0;
-  for (; n + C <= n1; n += C) blocked_row_block<R, C>(x, K, w, N, n, q, sums, out);
-  for (; n < n1; ++n) blocked_row_block<R, 1>(x, K, w, N, n, q, sums, out);
+  for (; n + C <= n1; n += C) pass(std::integral_constant<int, C>{}, n);
+  for (; n < n1; ++n) pass(std::integral_constant<int, 1>{}, n);
 }
 
 // body(rows, m) for each group of `rows` (a std::integral_constant, up to kRowsPerPass) rows starting at row m.
