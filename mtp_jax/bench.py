@@ -343,7 +343,7 @@ def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": describe_device(),
         "host": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
-        "cpu_kernel": cpu_rows.status() if jax.default_backend() == "cpu" else "not used (not a CPU)",
+        "cpu_kernel": cpu_rows.level() if jax.default_backend() == "cpu" else "not used (not a CPU)",
         "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
         "model": label,
         "dtype": dtype,

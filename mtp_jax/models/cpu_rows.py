@@ -43,6 +43,7 @@ TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
 ATTENTION_TARGET = "mtp_jax_cache_attention"  # native/cache_attention.cc, in the same library (models/cpu_attention.py)
 ATTENTION_SYMBOL = "MtpJaxCacheAttention"
+ISA_SYMBOL = "MtpJaxRowIsa"  # the ISA level the library was built for
 CACHED_BUILDS = 8  # libraries kept in the user's cache (the newest; other environments' builds among them)
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
@@ -51,6 +52,7 @@ INT8_ROW_COLUMNS = 32  # the int8-rows product takes output columns 32 at a time
 BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of this many contracting elements a block
 _LOCK = threading.Lock()
 _REGISTERED: list[Path] = []  # the library whose handlers this process registered
+_LEVEL: list[str] = []  # its ISA level and -march
 
 
 def build_dir() -> Path:
@@ -59,11 +61,13 @@ def build_dir() -> Path:
 
 
 def _load(path: Path):
-    """The handlers of the library at `path` (the row product's, the decode attention's), or None where it cannot
-    be loaded (truncated, overwritten)."""
+    """(the row product's handler, the decode attention's, the ISA level's name) of the library at `path`, or None
+    where it cannot be loaded (truncated, overwritten)."""
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
-        return getattr(library, SYMBOL), getattr(library, ATTENTION_SYMBOL)
+        isa = getattr(library, ISA_SYMBOL)
+        isa.restype = ctypes.c_char_p
+        return getattr(library, SYMBOL), getattr(library, ATTENTION_SYMBOL), isa().decode()
     except (OSError, AttributeError):
         return None
 
@@ -73,6 +77,13 @@ def status() -> str:
     process (a caller waits for a build under way in another thread)."""
     with _LOCK:
         return _status_once()
+
+
+def level() -> str:
+    """The ISA level the registered kernel was built for and its -march (e.g. "avx2, -march=x86-64-v3"), or the
+    status where none is: for `bench`'s header and `decode`'s summary."""
+    state = status()
+    return _LEVEL[0] if state == "ready" else state
 
 
 def reset_status() -> None:
@@ -110,9 +121,10 @@ def _status_once() -> str:
             if handlers is None:
                 raise OSError(f"{path} does not load")
         if not _REGISTERED:  # once per process (a second registration of the name is refused)
-            for target, function in zip((TARGET, ATTENTION_TARGET), handlers, strict=True):
+            for target, function in zip((TARGET, ATTENTION_TARGET), handlers[:2], strict=True):
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(function), platform="cpu")
             _REGISTERED.append(path)
+            _LEVEL.append(f"{handlers[2]}, -march={kernel_build.march()}")
     except (OSError, RuntimeError, subprocess.SubprocessError, importlib.metadata.PackageNotFoundError) as e:
         return f"off ({e})"
     return "ready"

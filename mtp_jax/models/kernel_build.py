@@ -3,7 +3,9 @@ loads this file by path to build the kernel at install time, where neither this 
 (the FFI headers come from the build environment's jaxlib).
 
 A library is named by everything its machine code depends on: the sources, the compiler's version, the flags, the
-jaxlib whose FFI headers it includes, and this CPU's feature flags (-march=native). An install builds it into the
+jaxlib whose FFI headers it includes, and this CPU's feature flags (-march=native). `MTP_JAX_NATIVE_MARCH` builds it
+for another level (`x86-64-v3`: AVX2 + FMA + F16C; `x86-64-v2`: SSE4; `x86-64`: generic), to run and test here the
+code that CPUs of that level get. An install builds it into the
 package (`installed_dir`); a run that finds none there with its name builds it into the user's cache
 (`cpu_rows.build_dir`), so a library built for another CPU or another jaxlib is never loaded.
 """
@@ -27,8 +29,17 @@ NATIVE = Path(__file__).with_name("native")
 BINDING, UNIT = NATIVE / "row_matmul.cc", NATIVE / "row_columns.cc"
 ATTENTION = NATIVE / "cache_attention.cc"  # the decode attention (models/cpu_attention.py)
 UNIT_TYPES = [(x, w) for x in ("float", "uint16_t") for w in ("float", "uint16_t", "int8_t", "U4")]  # ROW_X, ROW_W
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fPIC")
+MARCH_ENV = "MTP_JAX_NATIVE_MARCH"  # the -march the kernel is built for (default: native)
+OPTIMIZE = "-O3"
 STALE_SECONDS = 600  # a scratch folder this old was left by a killed build, not one still running
+
+
+def march() -> str:
+    return os.environ.get(MARCH_ENV) or "native"
+
+
+def flags() -> tuple[str, ...]:
+    return (OPTIMIZE, f"-march={march()}", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-Wno-psabi")
 
 
 def sources() -> list[Path]:
@@ -62,7 +73,7 @@ def library_name(compiler: str) -> str:
                 *(p.read_text() for p in sources()),
                 version,
                 importlib.metadata.version("jaxlib"),
-                " ".join(FLAGS),
+                " ".join(flags()),
                 _cpu_flags(),
             ]
         ).encode()
@@ -94,7 +105,7 @@ def build(compiler: str, path: Path, include: Path) -> None:
         units += [[f"-DROW_X={x}", f"-DROW_W={w}", str(UNIT)] for x, w in UNIT_TYPES]
         objects = [os.path.join(scratch, f"unit{i}.o") for i in range(len(units))]
         with concurrent.futures.ThreadPoolExecutor(max_workers=cores) as pool:
-            jobs = [[compiler, *FLAGS, "-c", *unit, "-o", out] for unit, out in zip(units, objects, strict=True)]
+            jobs = [[compiler, *flags(), "-c", *unit, "-o", out] for unit, out in zip(units, objects, strict=True)]
             for done in pool.map(
                 lambda command: subprocess.run(command, capture_output=True, text=True, timeout=600), jobs
             ):

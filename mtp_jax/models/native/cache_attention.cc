@@ -9,7 +9,7 @@
 //   out      [B, T, K, G, H] float32
 //
 // The t-th query of row b sees the cache slots from[b] .. positions[b, 0] - 1, then the block's entries 0 .. t (in
-// slot order: the slots they are written to): score_j = q . key_j (16 lane chains over H, added in a fixed tree),
+// slot order: the slots they are written to): score_j = q . key_j (kLanes chains over H, added in a fixed tree),
 // m = the largest score, out = sum_j exp(score_j - m) value_j / sum_j exp(score_j - m), both sums in that order.
 // Nothing in a query's result depends on the other queries of the pass, their rows or their number.
 
@@ -21,59 +21,14 @@
 #include <thread>
 #include <vector>
 
-#include "row_kernels.h"
+#include "cache_attention.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using rows::kLanes;
-using rows::Vec;
-
-struct Shapes {
-  int64_t B, T, K, G, H, S;
-};
-
-// One (row, kv head) pair: its T x G queries, each over the cache slots from[b] .. positions[b, 0] - 1 (those
-// before the block; later ones are stale) and then, causally, the block's entries up to its own.
-void attend_pair(const float* q, const float* keys, const float* values, const float* block_k,
-                 const float* block_v, const int32_t* positions, int32_t from, const Shapes& d, int64_t b, int64_t k,
-                 float* out, std::vector<float>& scores) {
-  const int64_t H = d.H, vectors = H / kLanes, slot_stride = d.K * H;
-  const int64_t first = std::max<int32_t>(from, 0), cached = std::min<int64_t>(positions[b * d.T], d.S) - first;
-  auto entry = [&](const float* cache, const float* block, int64_t j) {  // j < cached: a slot; then the block
-    return j < cached ? cache + (b * d.S + first + j) * slot_stride + k * H
-                      : block + ((b * d.T + j - std::max<int64_t>(cached, 0)) * d.K + k) * H;
-  };
-  for (int64_t t = 0; t < d.T; ++t) {
-    const int64_t n = std::max<int64_t>(cached, 0) + t + 1;  // the entries this query sees
-    for (int64_t g = 0; g < d.G; ++g) {
-      const float* query = q + (((b * d.T + t) * d.K + k) * d.G + g) * H;
-      float* o = out + (((b * d.T + t) * d.K + k) * d.G + g) * H;
-      scores.resize(n);
-      float largest = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* key = entry(keys, block_k, j);
-        Vec acc = {};
-        for (int64_t i = 0; i < vectors; ++i)
-          acc = rows::fma(rows::load(query + i * kLanes), rows::load(key + i * kLanes), acc);
-        scores[j] = rows::tree_sum(acc);
-        largest = std::max(largest, scores[j]);
-      }
-      float total = 0.0f;
-      Vec sum[rows::kMaxHeadDim / kLanes] = {};  // H <= kMaxHeadDim (checked)
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = std::exp(scores[j] - largest);
-        total += p;
-        const float* value = entry(values, block_v, j);
-        for (int64_t i = 0; i < vectors; ++i) sum[i] = rows::fma(Vec{} + p, rows::load(value + i * kLanes), sum[i]);
-      }
-      for (int64_t i = 0; i < vectors; ++i)
-        for (int lane = 0; lane < kLanes; ++lane) o[i * kLanes + lane] = sum[i][lane] / total;
-    }
-  }
-}
+using attention::Shapes;
 
 ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
                           ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> block_k,
@@ -84,7 +39,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("cache_attention: q is [B, T, K, G, H], caches [L, B, S, K, H], blocks [B, T, K, H]");
   const Shapes d{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
   if (cd[1] != d.B || cd[3] != d.K || cd[4] != d.H || bd[0] != d.B || bd[1] != d.T || bd[2] != d.K || bd[3] != d.H ||
-      d.H % kLanes != 0 || d.H > rows::kMaxHeadDim || positions.element_count() != d.B * d.T || from.element_count() != d.B)
+      d.H % rows::kLanes != 0 || d.H > rows::kMaxHeadDim || positions.element_count() != d.B * d.T || from.element_count() != d.B)
     return ffi::Error::InvalidArgument("cache_attention: shapes do not agree, or H is not 16, 32, ..., 128");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("cache_attention: layer out of range");
@@ -100,7 +55,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   auto work = [=]() {
     std::vector<float> scores;
     for (int64_t p; (p = next->fetch_add(1)) < pairs;) {
-      attend_pair(qp, keys, values, bk, bv, pp, fp[p / d.K], d, p / d.K, p % d.K, op, scores);
+      attention::attend_pair(qp, keys, values, bk, bv, pp, fp[p / d.K], d, p / d.K, p % d.K, op, scores);
       done->fetch_add(1);
     }
   };

@@ -8,7 +8,8 @@
 // Integer sums do not depend on their order, and the float chain per column is the same whatever M, so a row's
 // result is the same bits whatever else shares the pass. With AVX512-VNNI and VBMI the sums are vpdpbusd over
 // four contracting elements a lane (64 products an instruction, against 16 for float32 fused multiply-adds); with
-// AVX2 they are vpmaddubsw then vpmaddwd (as llama.cpp's Q4 x Q8 kernels do); any other CPU sums them one by one.
+// AVX2 they are vpmaddubsw then vpmaddwd (as llama.cpp's Q4 x Q8 kernels do), with NEON's dotprod sdot; any
+// other CPU sums them one by one.
 
 #pragma once
 
@@ -110,6 +111,34 @@ inline void add_quad(const uint8_t* first, int64_t row_bytes, const int8_t* cons
       const __m256i o = _mm256_madd_epi16(_mm256_maddubs_epi16(odd, x[r]), ones);
       sums[r][s][0] = (Ints)_mm256_add_epi32((__m256i)sums[r][s][0], e);
       sums[r][s][1] = (Ints)_mm256_add_epi32((__m256i)sums[r][s][1], o);
+    }
+  }
+#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+  // sdot: each lane's four signed products summed (the nibbles 0..15 read as signed bytes)
+  int32x4_t x[R];
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    std::memcpy(&four, q[r], sizeof four);
+    x[r] = vdupq_n_s32(four);
+  }
+  auto row = [&](const uint8_t* p) {
+    uint32_t four;
+    std::memcpy(&four, p, sizeof four);
+    return vreinterpret_u8_u32(vdup_n_u32(four));
+  };
+  const uint8x16_t nibble = vdupq_n_u8(0x0F);
+  for (int s = 0; s < strips; ++s) {
+    const uint8_t* p = first + s * kLanes;
+    const uint8x8x2_t rows01 = vzip_u8(row(p), row(p + row_bytes));  // byte i of row 0, of row 1, ...
+    const uint8x8x2_t rows23 = vzip_u8(row(p + 2 * row_bytes), row(p + 3 * row_bytes));
+    const uint16x4x2_t quads = vzip_u16(vreinterpret_u16_u8(rows01.val[0]), vreinterpret_u16_u8(rows23.val[0]));
+    const uint8x16_t bytes = vreinterpretq_u8_u16(vcombine_u16(quads.val[0], quads.val[1]));
+    const int8x16_t even = vreinterpretq_s8_u8(vandq_u8(bytes, nibble));  // lane i: byte i of rows 0..3, low
+    const int8x16_t odd = vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4));
+    for (int r = 0; r < R; ++r) {
+      const int8x16_t xr = vreinterpretq_s8_s32(x[r]);
+      sums[r][s][0] = (Ints)vdotq_s32((int32x4_t)sums[r][s][0], even, xr);
+      sums[r][s][1] = (Ints)vdotq_s32((int32x4_t)sums[r][s][1], odd, xr);
     }
   }
 #else

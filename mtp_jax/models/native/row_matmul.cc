@@ -164,3 +164,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpJaxRowMatmul, RowMatmul,
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("packed")
                                   .Attr<int64_t>("int8_rows"));
+
+// The ISA level the library was built for ("avx512", "avx2", "sse4", "neon", "neon-dotprod" or "generic"):
+// cpu_rows.level() reads it.
+extern "C" const char* MtpJaxRowIsa() { return rows::kIsa; }
