@@ -1,6 +1,7 @@
 """MTP self-speculative decoding in JAX/Flax."""
 
 from mtp_jax import flax_import  # noqa: F401  (first: flax without IPython)
+from mtp_jax import platforms  # noqa: F401  (before any backend starts: no libtpu without a TPU)
 from mtp_jax.checkpoint import load, load_model
 from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers
