@@ -20,13 +20,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from mtp_jax import checkpoint, compile_cache, stats
+from mtp_jax import checkpoint, compile_cache, default_drafting, stats
 from mtp_jax.config import ACTIVATION_FORMATS, LAYER_LAYOUTS, WEIGHT_FORMATS, DecodeConfig
 from mtp_jax.errors import UserError, exit_process, run_cli
 from mtp_jax.files import nearest_existing_ancestor, write_atomically
 from mtp_jax.hub import MODEL_HELP, names_a_model
 from mtp_jax.models import causal_lm, cpu_rows
 from mtp_jax.prompts import encode_prompts, read_prompt_records
+from mtp_jax.quant import rounds_rows
 from mtp_jax.sharding import make_mesh
 from mtp_jax.text import batch_rows, check_budget, decode_batches, row_sampling
 from mtp_jax.text_stream import stream_prompt
@@ -132,14 +133,6 @@ def float_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-# Drafts per round when --num-draft is not given, by platform. On a CPU a verify pass of k + 1 rows costs more than a
-# plain step in proportion to its rows (the row kernel is partly compute-bound: the default model's projections take
-# 9.0, 10.6 and 14.1 ms for 1, 2 and 4 rows), so a second and third draft cost more than they bring with heads of
-# the shipped one's acceptance (docs/benchmarks.md, "Warm start, second pass"); on accelerators the pass is a read
-# of the weights whatever its few rows.
-DEFAULT_DRAFTS = {"cpu": 1, "other": 3}
-
-
 def choose_num_draft(args, has_mtp: bool) -> int:
     if args.no_mtp:
         return 0
@@ -150,7 +143,8 @@ def choose_num_draft(args, has_mtp: bool) -> int:
     if not has_mtp:
         print("note: this model has no MTP head; decoding without drafts (k = 0)", file=sys.stderr)
         return 0
-    return DEFAULT_DRAFTS.get(jax.default_backend(), DEFAULT_DRAFTS["other"])
+    platform = "cpu" if jax.default_backend() == "cpu" else "other"
+    return default_drafting.DEFAULT_DRAFTS[platform]  # the most a round drafts: `default_decode_config` chooses
 
 
 def check_output_path(path: str, option: str) -> None:
@@ -366,10 +360,15 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     if lead and output.terminal and tokenizer is not None and len(prompts) - done == 1 and jax.process_count() == 1:
         result, summary = stream_prompt(model, tokenizer, prompts[done], decode_cfg, sampling, output.show)
         output.shown(result.row())
-        return {"load_seconds": load_seconds, **summary}
+        return {"load_seconds": load_seconds, **summary, **drafting_note(args)}
     write = (lambda results: output.write([r.row() for r in results])) if lead else (lambda results: None)
     summary = decode_batches(model, tokenizer, prompts[done:], decode_cfg, batch_size, sampling, write, progress=lead)
-    return {"load_seconds": load_seconds, **summary}
+    return {"load_seconds": load_seconds, **summary, **drafting_note(args)}
+
+
+def drafting_note(args) -> dict:
+    """The stats' "drafting" field: what the default drafting chose and why (absent where the options chose)."""
+    return {"drafting": args.drafting} if getattr(args, "drafting", None) else {}
 
 
 def note_without_kernel() -> None:
@@ -407,7 +406,21 @@ def load_for_decoding(args, records) -> tuple:
     decode_cfg = decode_config(args, num_draft)
     batch_size = batch_rows(model, args.batch_size, len(prompts))
     check_budget(model, prompts, decode_cfg, batch_size)
-    return model, tokenizer, prompts, decode_cfg, batch_size
+    return model, tokenizer, prompts, default_decode_config(args, model, decode_cfg, batch_size), batch_size
+
+
+def default_decode_config(args, model, cfg: DecodeConfig, batch_size: int) -> DecodeConfig:
+    """`cfg` with the drafting that pays here where the options leave it open: no --num-draft (and no --no-mtp),
+    or --adaptive without --round-costs (default_drafting.py). Its reason goes to the summary."""
+    args.drafting = None
+    leaves_open = args.num_draft is None or (args.adaptive and args.round_costs is None)
+    if args.no_mtp or not model.config.has_mtp or not leaves_open:
+        return cfg
+    invariant = cfg.invariant or rounds_rows(model)  # as `speculative.generate` decodes it
+    max_draft = args.num_draft if args.adaptive else None
+    drafting = default_drafting.choose(model, batch_size, invariant, max_draft, adaptive=args.adaptive)
+    args.drafting = drafting.reason
+    return default_drafting.apply(cfg, drafting)
 
 
 def decode_config(args, num_draft: int) -> DecodeConfig:

@@ -63,7 +63,10 @@ def summary_paragraph(stats: dict, num_prompts: int) -> str:
     )
     if stats["num_draft"]:
         text += f", acceptance rate {stats['acceptance_rate']:.2f}, per position [{per_position}]"
-    return text + "."
+    text += "."
+    if stats.get("drafting"):
+        text += f" Drafting chosen: {stats['drafting']}."
+    return text
 
 
 def setup(stats: dict) -> str:

@@ -21,12 +21,13 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from mtp_jax import compile_cache, speculative, stats
+from mtp_jax import compile_cache, default_drafting, speculative, stats
 from mtp_jax.cache import cache_slots
 from mtp_jax.config import DecodeConfig
 from mtp_jax.errors import UserError
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
+from mtp_jax.quant import rounds_rows
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import to_host
 
@@ -75,14 +76,15 @@ def generate_text(
 ) -> TextOutput:
     """Answers to `prompts` (strings, or lists of token ids used exactly as given) from `model`.
 
-    `cfg`: drafts, budget and sampling (default: `DecodeConfig()`, with no drafts for a model without an MTP head).
+    `cfg`: drafts, budget and sampling (default: `DecodeConfig()` with the drafting that pays on this device,
+    `mtp_jax.default_drafting`: adaptive from round costs measured once on a CPU; none without an MTP head).
     `tokenizer`: the model's, as `mtp_jax.load` returns it beside the model; needed for text prompts, and for the
     answers' text. `chat`: put text prompts through the tokenizer's chat template when it has one. `batch_size`:
     rows per `generate` call (raised to a multiple of the mesh's `data` size on a sharded model). `seed`: the
     sampling streams' seed (unused when greedy).
     """
     items = checked_prompts(prompts)
-    cfg = checked_config(model, cfg)
+    given, cfg = cfg, checked_config(model, cfg)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     cfg_model = model.config
@@ -91,13 +93,18 @@ def generate_text(
     )
     rows = batch_rows(model, batch_size, len(encoded))
     check_budget(model, encoded, cfg, rows)
+    drafting = None
+    if given is None and model.config.has_mtp:
+        drafting = default_drafting.choose(model, rows, cfg.invariant or rounds_rows(model))
+        cfg = default_drafting.apply(cfg, drafting)
     results: list[TextResult] = []
     summary = decode_batches(model, tokenizer, encoded, cfg, rows, row_sampling(cfg, seed), results.extend)
-    return TextOutput(results, summary)
+    return TextOutput(results, summary if drafting is None else {**summary, "drafting": drafting.reason})
 
 
 def checked_config(model: CausalLM, cfg: DecodeConfig | None) -> DecodeConfig:
-    """`cfg`, or the default for `model` (3 drafts with an MTP head, else none); a wrong one refused in one line."""
+    """`cfg`, or the default for `model` (3 drafts with an MTP head, else none: `generate_text` then chooses the
+    drafting for the device); a wrong one refused in one line."""
     cfg = cfg if cfg is not None else DecodeConfig(num_draft=3 if model.config.has_mtp else 0)
     if not isinstance(cfg, DecodeConfig):
         raise UserError(f"cfg must be a DecodeConfig, got {type(cfg).__name__}")

@@ -84,12 +84,21 @@ def test_jsonl_output_stats_and_mtp_equals_plain(checkpoints, capsys, tmp_path):
 
 
 def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monkeypatch):
-    """Without --num-draft a model with a head drafts one token a round on a CPU (where a verify pass costs more with
-    every row), three elsewhere; a model without one none."""
+    """Without --num-draft a model with a head drafts adaptively on a CPU, from round costs timed once on this
+    machine (then read back: no second timing) and named in the summary; three drafts a round elsewhere; a model
+    without a head none."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     stats = tmp_path / "s.json"
     common = ["--prompts-file", checkpoints / "prompts.jsonl", "--max-new-tokens", 4, "--stats-json", stats]
-    assert decode(capsys, "--model", checkpoints / "with_head", *common)[0] == 0
-    assert jax.default_backend() != "cpu" or json.loads(stats.read_text())["num_draft"] == 1
+    code, _, err = decode(capsys, "--model", checkpoints / "with_head", *common)
+    assert code == 0 and "timing this CPU's decode rounds once" in err
+    drafting = json.loads(stats.read_text())["drafting"]
+    assert "measured now" in drafting and drafting in err
+    assert drafting.startswith(("adaptive drafting, up to 2 a round", "plain decoding"))
+    code, _, err = decode(capsys, "--model", checkpoints / "with_head", *common)
+    assert code == 0 and "timing" not in err and "measured on this CPU earlier" in json.loads(stats.read_text())["drafting"]
+    code, _, _ = decode(capsys, "--model", checkpoints / "with_head", *common, "--num-draft", 1)
+    assert code == 0 and "drafting" not in json.loads(stats.read_text())  # the options chose
     args = decode_cli.build_parser().parse_args(["--prompt", "x"])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert decode_cli.choose_num_draft(args, has_mtp=True) == 3
