@@ -1,9 +1,12 @@
 """MTP self-speculative decoding in JAX/Flax."""
 
-from mtp_jax import flax_import  # noqa: F401  (first: flax without IPython)
-from mtp_jax import platforms  # noqa: F401  (before any backend starts: no libtpu without a TPU)
+from mtp_jax import (
+    flax_import,  # noqa: F401  (first: flax without IPython)
+    platforms,  # noqa: F401  (before any backend starts: no libtpu without a TPU)
+)
 from mtp_jax.checkpoint import load, load_model
 from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
+from mtp_jax.models import cpu_attention, cpu_rows, fixed_tiles  # noqa: F401  (kernels register: models/dispatch.py)
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative import GenerateOutput, generate, generate_chunks

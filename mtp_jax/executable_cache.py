@@ -34,7 +34,7 @@ from jax.experimental import serialize_executable
 
 from mtp_jax import compile_cache, sharding
 from mtp_jax.default_model import cache_dir
-from mtp_jax.models import cpu_rows, fixed_tiles, loops
+from mtp_jax.models import cpu_rows, dispatch, loops
 
 MAX_FILES = 64
 PARTIAL = ".partial-"  # a file being written
@@ -103,7 +103,7 @@ def _environment() -> str:
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     kernel = cpu_rows.status() if jax.default_backend() == "cpu" else ""  # also registers the kernel's target
     versions = (sys.version, jax.__version__, importlib.metadata.version("jaxlib"))
-    tracing = (sharding.active_rules(), fixed_tiles.in_use(), fixed_tiles.tracing_invariant(), loops.unrolling())
+    tracing = (sharding.active_rules(), dispatch.current(), loops.unrolling())
     return repr((_source_digest(), versions, devices, settings, env, kernel, tracing))
 
 

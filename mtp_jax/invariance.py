@@ -29,10 +29,9 @@ from flax import nnx
 from mtp_jax import checkpoint
 from mtp_jax.errors import UserError, exit_process, run_cli
 from mtp_jax.hub import MODEL_HELP
-from mtp_jax.models import loops
+from mtp_jax.models import dispatch, loops
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
 from mtp_jax.models.causal_lm import CausalLM, LayerStack
-from mtp_jax.models.fixed_tiles import invariant_products
 from mtp_jax.models.rowwise import lone_rows_exact
 from mtp_jax.prompts import encode_prompts, read_prompt_file
 
@@ -96,7 +95,7 @@ def _prefill_and_step(model, ids, lens, next_ids, invariant: bool, slots: int):
     attention = "invariant" if invariant else default_attention(slots)
     pasts = _empty_pasts(model, batch, slots, attention)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    with invariant_products(invariant):
+    with dispatch.tracing(invariant):
         prefill, pasts = trace(model, ids, positions, pasts, attention)
         step, _ = trace(model, next_ids[:, None], lens[:, None], pasts, attention)
     return prefill, step

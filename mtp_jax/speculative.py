@@ -28,9 +28,9 @@ from mtp_jax.adaptive import choose_round, drafting_can_pay, estimated_round_cos
 from mtp_jax.cache import cache_slots, long_cache_shards
 from mtp_jax.config import DecodeConfig
 from mtp_jax.loop_state import DecodeStats, LoopState
+from mtp_jax.models import dispatch
 from mtp_jax.models.cache_attention import two_rows
 from mtp_jax.models.causal_lm import CausalLM
-from mtp_jax.models.fixed_tiles import invariant_products
 from mtp_jax.models.rowwise import lone_rows_exact
 from mtp_jax.prefill import prefill
 from mtp_jax.quant import prepare_for_loop, rounds_rows
@@ -117,8 +117,9 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: Dec
 @contextlib.contextmanager
 def _tracing(model: CausalLM, cfg: DecodeConfig) -> Iterator[None]:
     """What a decode program is traced under: the model's mesh rules (rows over `data`, heads and vocab over
-    `model`), and products in fixed tiles where batch-invariant numerics need them (models/fixed_tiles.py)."""
-    with activate(model.sharding_rules), invariant_products(cfg.invariant):
+    `model`), and one Numerics for every product and attention (models/dispatch.py: fixed tiles on a GPU where
+    batch-invariant numerics need them, the CPU kernels where they take a product)."""
+    with activate(model.sharding_rules), dispatch.tracing(cfg.invariant):
         yield
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mtp_jax.models import cache_attention, cpu_attention, cpu_rows
-from mtp_jax.models.fixed_tiles import invariant_products
+from mtp_jax.models.dispatch import tracing
 
 pytestmark = pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here")
 
@@ -35,7 +35,7 @@ def attend(fused: bool, q, k, v, positions, stack_k, stack_v, visible_from, stac
     past = [cache_attention.LayerSlots(s, jnp.int32(1)) if stacked else s[1] for s in (stack_k, stack_v)]
 
     def run(q, k, v, positions, visible_from):
-        with invariant_products(form == "invariant"):
+        with tracing(form == "invariant"):
             return cache_attention.grouped_attention(q, k, v, positions, *past, visible_from, form)
 
     with pytest.MonkeyPatch.context() as patch:

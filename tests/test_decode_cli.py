@@ -96,7 +96,8 @@ def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monke
     assert "measured now" in drafting and drafting in err
     assert drafting.startswith(("adaptive drafting, up to 2 a round", "plain decoding"))
     code, _, err = decode(capsys, "--model", checkpoints / "with_head", *common)
-    assert code == 0 and "timing" not in err and "measured on this CPU earlier" in json.loads(stats.read_text())["drafting"]
+    assert code == 0 and "timing" not in err
+    assert "measured on this CPU earlier" in json.loads(stats.read_text())["drafting"]
     code, _, _ = decode(capsys, "--model", checkpoints / "with_head", *common, "--num-draft", 1)
     assert code == 0 and "drafting" not in json.loads(stats.read_text())  # the options chose
     args = decode_cli.build_parser().parse_args(["--prompt", "x"])

@@ -23,7 +23,7 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax import quant, shapes
-from mtp_jax.models import fixed_tiles
+from mtp_jax.models import dispatch, fixed_tiles
 from mtp_jax.models.rowwise import project
 from tests.prompts import invariant_greedy
 
@@ -62,18 +62,24 @@ def test_a_rows_bits_do_not_depend_on_the_pass():
     assert not np.array_equal(np.asarray(xla(x[:1])), np.asarray(xla(x))[:1])  # XLA:CPU's one-row kernel
 
 
+def _tiles_taken() -> bool:
+    """Whether the dispatch gives the products traced now to the fixed tiles."""
+    implementation = dispatch.product_implementation("BTD,DF->BTF", jnp.ones((1, 2, 8)), jnp.ones((8, 4)))
+    return implementation is not None and implementation.name == fixed_tiles.KERNEL
+
+
 def test_used_only_while_a_batch_invariant_decode_is_traced_on_a_platform_that_needs_it(monkeypatch):
     for on in (True, False):
-        with fixed_tiles.invariant_products(on):
-            assert not fixed_tiles.in_use()  # this CPU: XLA's float32-out products are already row-invariant
+        with dispatch.tracing(on):
+            assert not _tiles_taken()  # this CPU: XLA's float32-out products are already row-invariant
     monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
-    with fixed_tiles.invariant_products(True):
-        assert fixed_tiles.in_use()
-        with fixed_tiles.invariant_products(False):
-            assert not fixed_tiles.in_use()
+    with dispatch.tracing(True):
+        assert _tiles_taken()
+        with dispatch.tracing(False):
+            assert not _tiles_taken()
         jaxpr = str(jax.make_jaxpr(lambda x, w: project("BTD,DF->BTF", x, w))(jnp.ones((1, 2, 8)), jnp.ones((8, 4))))
         assert "pallas_call" in jaxpr
-    assert not fixed_tiles.in_use()
+    assert not _tiles_taken()
 
 
 QUANTIZED = {  # equation: (x's shape, the weight's shape, its contracting axes, its batched axes)
@@ -109,7 +115,7 @@ def _kernel_operand_dtypes(jaxpr) -> list:
 def test_a_quantized_weight_is_read_as_stored_and_scaled_in_the_tiles(form, equation, monkeypatch):
     monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
     x, weight = _stored(form, equation)
-    with fixed_tiles.invariant_products(True):
+    with dispatch.tracing(True):
         got = project(equation, x, weight, jnp.float32)
         jaxpr = jax.make_jaxpr(lambda x, w: project(equation, x, w))(x, weight)
     assert _kernel_operand_dtypes(jaxpr.jaxpr)[1] == weight.values.dtype  # no dequantized copy enters the kernel

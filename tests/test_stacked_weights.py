@@ -11,7 +11,7 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax import quant, shapes
-from mtp_jax.models import cpu_rows, fixed_tiles
+from mtp_jax.models import cpu_rows, dispatch
 from mtp_jax.models.rowwise import DEQUANTIZED_ROWS, project
 from mtp_jax.models.stacked_weights import StackedWeight
 from mtp_jax.speculative import compile_generate
@@ -105,7 +105,7 @@ def test_a_pass_of_many_rows_multiplies_by_the_dequantized_weight(form):
         return any(tuple(e.outvars[0].aval.shape) == shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul")
 
     assert dequantizes(lambda x: project("MD,DF->MF", x, weight), x)
-    with fixed_tiles.invariant_products(True):
+    with dispatch.tracing(True):
         assert not dequantizes(lambda x: project("MD,DF->MF", x, weight), x)
     assert not dequantizes(lambda x: project("MD,DF->MF", x, weight), x[:DEQUANTIZED_ROWS])
     experts = QUANTIZE[form](jnp.asarray(rng.normal(size=(2, 128, 96)) / 8, jnp.float32), (1,))

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp_jax.models import cpu_attention, loops
+from mtp_jax.models import loops
+from mtp_jax.models.dispatch import attention_implementation
 from mtp_jax.models.rowwise import attention_rows_exact, product, row_product, row_sum
 from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
@@ -163,20 +164,16 @@ def grouped_attention(
     over one split over its slots; "invariant": the batch-invariant form (`attend_written_cache`), which needs a
     cache of whole chunks on every shard. On a CPU with the row kernel, a decode step or verify block (at most
     `cpu_attention.DECODE_POSITIONS` positions a row) outside batch-invariant decoding is one kernel call
-    (models/cpu_attention.py); so is every pass under it."""
+    (models/cpu_attention.py, through models/dispatch.py); so is every pass under it."""
     shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     xla_form = lambda: _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention, shards)
-    if attention != "invariant" and q.shape[1] <= cpu_attention.DECODE_POSITIONS and _fused_here(q, past_k, shards):
+    kernel = None if attention == "invariant" else attention_implementation(q, past_k, shards, whole_pass=False)
+    if kernel is not None:
         b, t, n, h = q.shape
         queries = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
-        fused = lambda: cpu_attention.attend(queries, k, v, positions, past_k, past_v, visible_from).astype(q.dtype)
+        fused = lambda: kernel.run(queries, k, v, positions, past_k, past_v, visible_from).astype(q.dtype)
         return jax.lax.platform_dependent(cpu=lambda: fused().reshape(b, t, n, h), default=xla_form)
     return xla_form()
-
-
-def _fused_here(q: jax.Array, past_k, shards: int) -> bool:
-    """Whether the CPU kernel can attend these queries (`cpu_attention.takes`) in a program traced now for a CPU."""
-    return attention_rows_exact(q.dtype) and cpu_attention.takes(q, past_k, shards)
 
 
 def _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention: str, shards: int) -> jax.Array:
@@ -211,8 +208,9 @@ def _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attenti
             rows = widen(positions), None if visible_from is None else widen(visible_from)
             written = lambda: attend_written_cache(attend_chunk, *rows, slots, shards, (rows[0].shape[0],
                                                    *q.shape[2:4], t), (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
-            if _fused_here(q, past_k, shards):  # one kernel call (models/cpu_attention.py)
-                fused = lambda: cpu_attention.attend(q, k, v, positions, past_k, past_v, visible_from)
+            kernel = attention_implementation(q, past_k, shards, whole_pass=True)
+            if kernel is not None:  # one kernel call (models/cpu_attention.py)
+                fused = lambda: kernel.run(q, k, v, positions, past_k, past_v, visible_from)
                 out = jax.lax.platform_dependent(cpu=fused, default=written)
             else:
                 out = written()

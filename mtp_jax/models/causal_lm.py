@@ -18,7 +18,7 @@ from flax import nnx
 
 from mtp_jax.cache import GroupCache, attention_cache, write_slots
 from mtp_jax.config import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
-from mtp_jax.models import cpu_rows, loops
+from mtp_jax.models import dispatch, loops
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import layer_entries
 from mtp_jax.models.hybrid_stack import GroupStack
@@ -73,7 +73,7 @@ class LayerStack(nnx.Module):
             x, new = loops.each_layer(run, x, list(self.layers))
         else:
             graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
-            whole, sliced = split_stack(stacked) if cpu_rows.reads_now() else (None, stacked)
+            whole, sliced = split_stack(stacked) if dispatch.current().reads_stacks_in_place else (None, stacked)
             step = lambda x, inputs: run(nnx.merge(graphdef, layer_parameters(whole, *inputs)), x, inputs[1])
             x, new = loops.scan(step, x, (sliced, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
         # One scatter per cache array after the stack: slot (row, position) of every layer gets this block's entry.

@@ -16,8 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.models import cpu_rows
+from mtp_jax.models import cpu_rows, dispatch
+from mtp_jax.models.rowwise import attention_rows_exact
 
+KERNEL = "cpu_attention"  # its name in models/dispatch.py
 DECODE_POSITIONS = 16  # a pass of at most this many positions a row (decode steps, verify blocks) takes the kernel
 # outside batch-invariant decoding; a prefill keeps XLA's form, whose products are GEMMs
 LANES = 16  # head dims are whole vectors of this many floats, at most MAX_HEAD_DIM
@@ -93,3 +95,17 @@ def _attend_backward(residuals, cotangent):
 
 
 _attend.defvjp(_attend_forward, _attend_backward)
+
+
+def _accepts(numerics: dispatch.Numerics, q: jax.Array, past_k, shards: int, whole_pass: bool) -> bool:
+    """Decode steps and verify blocks (every pass where the batch-invariant form asks) that `takes` says it reads,
+    in a program for one CPU device."""
+    fits = whole_pass or q.shape[1] <= DECODE_POSITIONS
+    return fits and numerics.has(KERNEL) and attention_rows_exact(q.dtype) and takes(q, past_k, shards)
+
+
+dispatch.register_kernel(
+    KERNEL,
+    lambda platform: platform == "cpu" and cpu_rows.status() == "ready",
+    attention=dispatch.Implementation(KERNEL, _accepts, attend),
+)

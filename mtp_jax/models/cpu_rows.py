@@ -14,9 +14,11 @@ package, or else on first use into `~/.cache/mtp_jax/native` (`$XDG_CACHE_HOME` 
 its sources, compiler, jaxlib and CPU (models/kernel_build.py). It is registered as an FFI target. Without a
 compiler, or with `MTP_JAX_NATIVE=0`, every product stays XLA's (`status()` says why).
 
-`rowwise.project` uses it on a CPU without a mesh of several devices: for every pass under batch-invariant decoding
-(prefills too, so that a prompt's rows get the same sums alone and in a batch), and for passes of at most ROWS_MAX
-rows otherwise (decode steps and verify blocks; a long prefill keeps XLA's GEMM, faster there).
+It registers with models/dispatch.py, which gives it the products of a program traced for a CPU without a mesh of
+several devices: every pass under batch-invariant decoding (prefills too, so that a prompt's rows get the same sums
+alone and in a batch), and otherwise passes of at most ROWS_MAX rows (decode steps and verify blocks; a long prefill
+keeps XLA's GEMM) in the forms where it was measured faster than XLA's own product on this machine
+(models/kernel_choice.py).
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.models import kernel_build, matmul_layout
+from mtp_jax.models import dispatch, kernel_build, kernel_choice, matmul_layout
+from mtp_jax.models.rowwise import xla_project
 from mtp_jax.models.stacked_weights import StackedWeight, layer_value
 from mtp_jax.quant import QuantizedArray, quantized_einsum
 from mtp_jax.sharding import active_platform, one_device_active
 
+KERNEL = "cpu_rows"  # its name in models/dispatch.py
 TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
 ATTENTION_TARGET = "mtp_jax_cache_attention"  # native/cache_attention.cc, in the same library (models/cpu_attention.py)
@@ -93,9 +97,15 @@ def reset_status() -> None:
 
 
 def prepare() -> None:
-    """Build or load the kernel in a background thread (a first run's build then overlaps loading the model)."""
+    """Build or load the kernel, and measure where it wins (`choice_table`), in a background thread: a first run's
+    build and measurement then overlap loading the model."""
     if jax.default_backend() == "cpu":
-        threading.Thread(target=status, name="mtp_jax-row-kernel", daemon=True).start()
+        threading.Thread(target=_prepared, name="mtp_jax-row-kernel", daemon=True).start()
+
+
+def _prepared() -> None:
+    if status() == "ready":
+        choice_table()
 
 
 @functools.cache
@@ -128,11 +138,6 @@ def _status_once() -> str:
     except (OSError, RuntimeError, subprocess.SubprocessError, importlib.metadata.PackageNotFoundError) as e:
         return f"off ({e})"
     return "ready"
-
-
-def reads_now() -> bool:
-    """Whether products traced now may run here: on a CPU, one device, the kernel built (built on first call)."""
-    return active_platform() == "cpu" and one_device_active() and status() == "ready"
 
 
 def takes(equation: str, x: jax.Array, weight, invariant: bool) -> bool:
@@ -243,3 +248,40 @@ def _einsum_backward(equation: str, residuals, cotangent):
 
 
 einsum.defvjp(_einsum_forward, _einsum_backward)
+
+
+def _accepts(numerics: dispatch.Numerics, equation: str, x: jax.Array, weight) -> bool:
+    """The products `takes` says the kernel reads, in a program for one CPU device: all of them under
+    batch-invariant decoding, else those where it won against XLA's form here (models/kernel_choice.py)."""
+    if numerics.platform != "cpu" or not numerics.has(KERNEL) or not takes(equation, x, weight, numerics.invariant):
+        return False
+    return numerics.invariant or kernel_choice.kernel_wins(choice_table(), equation, x, weight)
+
+
+def choice_table() -> dict:
+    """Where the kernel beat XLA's products on this machine (models/kernel_choice.py), for the registered build."""
+    if not _REGISTERED:
+        return {}
+    library = _REGISTERED[0]  # the table is kept beside it where that folder can be written
+    folder = library.parent if os.access(library.parent, os.W_OK) else build_dir()
+    return kernel_choice.table_for(library, folder, einsum, _xla_float32)
+
+
+def _xla_float32(equation: str, x: jax.Array, weight) -> jax.Array:
+    return xla_project(equation, x, weight, jnp.float32)
+
+
+def _run(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
+    """The kernel's product in a program lowered for a CPU; XLA's where the same program (traced without a mesh)
+    is compiled for another device."""
+    native = lambda x, w: einsum(equation, x, w).astype(out_dtype)
+    xla = functools.partial(xla_project, equation, out_dtype=out_dtype)
+    return jax.lax.platform_dependent(x, weight, cpu=native, default=xla)
+
+
+dispatch.register_kernel(
+    KERNEL,
+    lambda platform: platform == "cpu" and status() == "ready",
+    products=dispatch.Implementation(KERNEL, _accepts, _run),
+    reads_stacks=True,
+)

@@ -20,27 +20,26 @@ int8). No dequantized copy of the weight is made. (Measured on an H100 for a 716
 docs/benchmarks.md: these tiles take 96-104 us with int8 and 120-152 us with fp8 where XLA's own product takes 66-75
 and 81-92 (bfloat16: tiles 104-114, XLA 96-100); so outside the invariant mode quantized weights keep XLA's.)
 
-`invariant_products(on)` turns the kernel on for every product while a decode program is traced, on one device
-(a custom kernel is not split by XLA's partitioner). `TILES` was chosen on the H100 among seven tilings, by the
-quantized products' time (docs/benchmarks.md).
+It registers with models/dispatch.py for every product of a batch-invariant decode traced for one device of
+PLATFORMS (a custom kernel is not split by XLA's partitioner). `TILES` was chosen on the H100 among seven tilings,
+by the quantized products' time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtp_jax.models import matmul_layout
+from mtp_jax.models import dispatch, matmul_layout
+from mtp_jax.models.rowwise import rows_as_read
+from mtp_jax.models.stacked_weights import layer_value
 from mtp_jax.quant import QuantizedArray
-from mtp_jax.sharding import active_platform, one_device_active
+from mtp_jax.sharding import active_platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,30 +57,19 @@ class Tiles:
 
 TILES = Tiles(rows=16, cols=64, depth=128, warps=4, stages=3)
 PLATFORMS = ("gpu",)  # where batch-invariant decoding uses these kernels
-_IN_USE: contextvars.ContextVar[bool] = contextvars.ContextVar("mtp_jax_fixed_tiles", default=False)
-_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("mtp_jax_invariant_trace", default=False)
 
 
-@contextlib.contextmanager
-def invariant_products(on: bool) -> Iterator[None]:
-    """While tracing inside this block, a batch-invariant decode is traced when `on` (`tracing_invariant()`), and the
-    products of `rowwise` use fixed tiles on a platform of PLATFORMS, with no mesh of several devices active."""
-    tiles = _IN_USE.set(on and active_platform() in PLATFORMS and one_device_active())
-    invariant = _INVARIANT.set(on)
-    try:
-        yield
-    finally:
-        _INVARIANT.reset(invariant)
-        _IN_USE.reset(tiles)
+KERNEL = "fixed_tiles"
 
 
-def in_use() -> bool:
-    return _IN_USE.get()
+def _accepts(numerics: dispatch.Numerics, equation: str, x: jax.Array, weight) -> bool:
+    """Every product of a batch-invariant decode traced for one device of PLATFORMS."""
+    return numerics.invariant and numerics.has(KERNEL)
 
 
-def tracing_invariant() -> bool:
-    """Whether a batch-invariant decode is being traced (inside `invariant_products(True)`)."""
-    return _INVARIANT.get()
+def _run(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
+    weight = layer_value(weight)  # a quantized weight read as stored
+    return einsum(equation, rows_as_read(equation, x, weight), weight).astype(out_dtype)
 
 
 def einsum(equation: str, a: jax.Array, b: jax.Array | QuantizedArray) -> jax.Array:
@@ -168,3 +156,8 @@ def _tile_kernel(a_ref, b_ref, s_ref, out_ref, *, k_size: int, n_size: int, tran
     if blocks == 1:
         acc = acc * scale(0)
     plgpu.store(out_ref, acc, mask=col_ok[None, :])
+
+
+dispatch.register_kernel(  # first: where batch-invariant decoding needs the tiles, no other kernel may take over
+    KERNEL, lambda platform: platform in PLATFORMS, products=dispatch.Implementation(KERNEL, _accepts, _run), order=-1
+)

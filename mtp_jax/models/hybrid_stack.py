@@ -17,7 +17,7 @@ from flax import nnx
 
 from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
 from mtp_jax.config import LayerKind, ModelConfig
-from mtp_jax.models import cpu_rows, loops
+from mtp_jax.models import dispatch, loops
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import checked_attention, layer_entries
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
@@ -139,7 +139,7 @@ class GroupStack(nnx.Module):
             split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
             graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
             merged = lambda params: tuple(nnx.merge(g, p) for g, p in zip(graphdefs, params, strict=True))
-            whole, sliced = split_stack(stacked) if cpu_rows.reads_now() else (None, stacked)
+            whole, sliced = split_stack(stacked) if dispatch.current().reads_stacks_in_place else (None, stacked)
             step = lambda x, inputs: run(merged(layer_parameters(whole, inputs[0], inputs[2])), x, *inputs[1:])
             x, new = loops.scan(step, x, (sliced, states, jnp.arange(self.repeats)))
         # new: DeltaNet states [R, B, ...]; attention entries [R, B, T, K, H]

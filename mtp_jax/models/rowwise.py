@@ -8,30 +8,29 @@ differs again between 32 and 40 rows; with bfloat16 operands and float32 results
 gave each row bit for bit the same sums, wherever the row sat (and 5-9x faster there than a bfloat16-out dot).
 
 So every projection here takes float32 results (`preferred_element_type`) and rounds once to the activations'
-dtype. On a CPU, a projection goes to the row kernel of models/cpu_rows.py (a decode step's few rows; every pass
-under batch-invariant decoding): one fixed order of sums per output element for 1 row or many, and the weight read
-as stored. Where that kernel is not built (no C++ compiler), batch-invariant decoding never makes a one-row pass:
-it decodes a lone prompt beside a copy of itself (`speculative.generate`, `lone_rows_exact`).
+dtype. A projection goes to the kernel models/dispatch.py picks for it: on a CPU the row kernel (models/cpu_rows.py:
+a decode step's few rows where it won against XLA's form here; every pass under batch-invariant decoding), one fixed
+order of sums per output element for 1 row or many, and the weight read as stored; XLA's form (`xla_project`)
+elsewhere. Where no such kernel is built (no C++ compiler), batch-invariant decoding never makes a one-row pass: it
+decodes a lone prompt beside a copy of itself (`speculative.generate`, `lone_rows_exact`).
 
 Sums along a row (a norm's mean square, a softmax's total) are reductions, and XLA picks a reduction's order by
 shape too: on XLA:CPU the float32 mean square of 576 values came out differently for 1, 2, 4 and 8 rows in most of
 200 random trials. `row_sum` adds halves elementwise instead, a fixed tree whatever the number of rows.
 
 On a GPU, XLA's own matmul kernels differ by shape in ways a float32 result does not undo; while a batch-invariant
-decode is traced (`fixed_tiles.invariant_products`), every product here runs through fixed tiles instead.
+decode is traced (`dispatch.tracing(True)`), every product here runs through fixed tiles instead
+(models/fixed_tiles.py).
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.models import cpu_rows, fixed_tiles, matmul_layout
-from mtp_jax.models.stacked_weights import StackedWeight, layer_value
+from mtp_jax.models import dispatch, matmul_layout
+from mtp_jax.models.stacked_weights import layer_value
 from mtp_jax.quant import QuantizedArray, quantized_einsum, rounded_rows
-from mtp_jax.sharding import active_platform, one_device_active
 
 DEQUANTIZED_ROWS = 64  # a pass of more rows multiplies by a quantized weight dequantized first
 
@@ -40,25 +39,21 @@ def project(equation: str, x: jax.Array, weight: jax.Array | QuantizedArray, out
     """jnp.einsum(equation, x, weight) with float32 results rounded to `out_dtype` (default: x's dtype); a weight
     stored quantized goes in as stored (`quant.quantized_einsum`: pass the parameter's value, not `param[...]`,
     which dequantizes), or dequantized first in a pass of many rows (`_dequantized_first`); a StackedWeight (a layer
-    of a stack, models/stacked_weights.py) is read in place by the CPU kernel, taken out of its stack elsewhere.
+    of a stack, models/stacked_weights.py) is read in place by a kernel that can, taken out of its stack elsewhere.
+    The kernel is the one models/dispatch.py picks; XLA's form (`xla_project`) where none takes the product.
     x's axes that the weight does not share are its rows (e.g. "BTD,DNH->BTNH": B * T rows; "...D,DV->...V": every
     leading axis; "EMF,EFD->EMD": M rows for each E). A batch of matmuls (an axis of x and the weight that the output
     keeps, e.g. latent attention's per-head absorption) keeps x's dtype out, as plain einsum does: XLA:CPU has no
     bfloat16 x bfloat16 -> float32 kernel for it in some layouts."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if fixed_tiles.in_use():  # a quantized weight read as stored
-        weight = layer_value(weight)
-        return fixed_tiles.einsum(equation, rows_as_read(equation, x, weight), weight).astype(out_dtype)
-    if isinstance(weight, StackedWeight) and not cpu_rows.takes(equation, x, weight, fixed_tiles.tracing_invariant()):
-        weight = weight.take()  # a layer's weight read in place by the kernel only
-    xla = functools.partial(_xla_project, equation, out_dtype=out_dtype)
-    if cpu_rows.takes(equation, x, weight, fixed_tiles.tracing_invariant()):  # a program lowered for a CPU only:
-        native = lambda x, w: cpu_rows.einsum(equation, x, w).astype(out_dtype)  # one traced without a mesh may
-        return jax.lax.platform_dependent(x, weight, cpu=native, default=xla)  # be compiled for another device
-    return xla(x, weight)
+    implementation = dispatch.product_implementation(equation, x, weight)
+    if implementation is None:
+        return xla_project(equation, x, weight, out_dtype)
+    return implementation.run(equation, x, weight, out_dtype)
 
 
-def _xla_project(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
+def xla_project(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
+    """`project` in XLA's own ops (a StackedWeight taken out of its stack)."""
     weight = layer_value(weight)
     if isinstance(weight, QuantizedArray) and not _dequantized_first(equation, x, weight):
         return quantized_einsum(equation, x, weight).astype(out_dtype)  # the stored values in the matmul
@@ -83,35 +78,40 @@ def _dequantized_first(equation: str, x: jax.Array, weight: QuantizedArray) -> b
     dequantized first). Never while a batch-invariant decode is traced: a prompt's rows would take another path
     alone than in a batch. Nor for a batch of matrices (routed experts, "EMF,EFD->EMD"): a layer's every expert
     dequantized at once could be gigabytes."""
-    if fixed_tiles.tracing_invariant():
+    if dispatch.current().invariant:
         return False
     g, m, _, _ = matmul_layout.layout(equation, x.shape, weight.shape).gmkn
     return g == 1 and m > DEQUANTIZED_ROWS
 
 
+ROW_KERNELS = ("fixed_tiles", "cpu_rows")  # kernels whose every row's sums are its own, whatever the pass
+
+
 def lone_rows_exact() -> bool:
     """Whether a pass of a single row gets the sums it gets inside a batch, under batch-invariant decoding traced
-    now: on one GPU (fixed tiles) or with the CPU kernel (models/cpu_rows.py). Elsewhere `speculative.generate`
+    now: with a kernel of ROW_KERNELS (a GPU's fixed tiles, the CPU's row kernel). Elsewhere `speculative.generate`
     decodes a lone prompt beside a copy of itself."""
-    if not one_device_active():
-        return False
-    platform = active_platform()
-    return platform in fixed_tiles.PLATFORMS or (platform == "cpu" and cpu_rows.status() == "ready")
+    return any(dispatch.current().has(kernel) for kernel in ROW_KERNELS)
 
 
 def attention_rows_exact(dtype) -> bool:
-    """Whether batch-invariant attention traced now can give each row its sums alone (`row_product`): on a CPU with
-    the row kernel, one device, operands (the cache read in the queries' dtype) of float32 or bfloat16. Elsewhere
-    a lone row attends beside a copy of itself (`cache_attention.two_rows`): XLA:CPU drops a batch axis of one."""
+    """Whether batch-invariant attention traced now can give each row its sums alone (`row_product`): with the CPU
+    row kernel, one device, operands (the cache read in the queries' dtype) of float32 or bfloat16. Elsewhere a lone
+    row attends beside a copy of itself (`cache_attention.two_rows`): XLA:CPU drops a batch axis of one."""
     kernel_dtype = any(jnp.dtype(dtype) == d for d in (jnp.float32, jnp.bfloat16))
-    return kernel_dtype and not fixed_tiles.in_use() and active_platform() == "cpu" and lone_rows_exact()
+    return kernel_dtype and dispatch.current().has("cpu_rows")
 
 
 def row_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """`product` by the CPU row kernel (call where `attention_rows_exact` said yes): each output element one fixed
-    chain of sums whatever the pass's batch, rows or tokens; a program compiled for another device keeps `product`."""
-    native = functools.partial(cpu_rows.einsum, equation)
-    return jax.lax.platform_dependent(a, b, cpu=native, default=functools.partial(product, equation))
+    chain of sums whatever the pass's batch, rows or tokens."""
+    return dispatch.registered_product("cpu_rows").run(equation, a, b, jnp.float32)
+
+
+def _fixed_tiles() -> dispatch.Implementation | None:
+    """The GPU's fixed tiles where batch-invariant decoding is traced with them, else None."""
+    numerics = dispatch.current()
+    return dispatch.registered_product("fixed_tiles") if numerics.invariant and numerics.has("fixed_tiles") else None
 
 
 def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -119,17 +119,19 @@ def float32_product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     no bfloat16 x bfloat16 -> float32 kernel in some layouts (latent attention's probabilities times latents failed
     to run), and a product of two bfloat16 values is exact in float32, so only the order of the float32 sums may
     differ. Elsewhere the operands stay as given."""
-    if fixed_tiles.in_use():
-        return fixed_tiles.einsum(equation, a, b)
-    if active_platform() == "cpu":
+    tiles = _fixed_tiles()
+    if tiles is not None:
+        return tiles.run(equation, a, b, jnp.float32)
+    if dispatch.current().platform == "cpu":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 
 
 def product(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """jnp.einsum(equation, a, b) with float32 results (operands as given): attention's scores and outputs."""
-    if fixed_tiles.in_use():
-        return fixed_tiles.einsum(equation, a, b)
+    tiles = _fixed_tiles()
+    if tiles is not None:
+        return tiles.run(equation, a, b, jnp.float32)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 
 

@@ -1,0 +1,129 @@
+"""The one dispatch between the models' products and attention and the kernels that can run them.
+
+What a program traced now may use is one frozen `Numerics`: the platform, whether it runs on one device (a custom
+kernel is not split by XLA's partitioner), whether a batch-invariant decode is traced, and the kernels available to
+it. It is built once per trace (`tracing`, entered by `speculative` and `invariance` around what they trace) and
+read by every product: `project` walks the registered implementations in their order and takes the first that
+accepts (the product's equation, operands and the Numerics); XLA's own form (models/rowwise.py) takes the rest.
+Attention the same (`attend`): a registered kernel, or None for XLA's forms.
+
+Kernels register themselves when imported (models/cpu_rows.py: the CPU row kernel and, from the same library, the
+decode attention of models/cpu_attention.py; models/fixed_tiles.py: a GPU's fixed tiles); the models import only
+this module. A new kernel (a TPU Pallas one, say) is one more module that registers an implementation, and says in
+`accepts` what it takes: which platforms, weight formats and shapes, and where it won against XLA's form on this
+machine (models/kernel_choice.py measures that for the CPU kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from mtp_jax.sharding import active_platform, one_device_active
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """What the products and attention of a program traced now may use.
+
+    platform: "cpu", "gpu" or "tpu" (of the active mesh, else the default backend); one_device: no mesh of several
+    devices is active; invariant: a batch-invariant decode is traced (DecodeConfig.invariant); kernels: the names of
+    the registered kernels available here (built, loaded and meant for this platform)."""
+
+    platform: str
+    one_device: bool
+    invariant: bool
+    kernels: frozenset[str]
+    stack_readers: frozenset[str] = frozenset()  # of those, the ones that read a layer's weight in its stack
+
+    def has(self, kernel: str) -> bool:
+        """Whether `kernel` may run a custom call in this program: available, and on one device."""
+        return self.one_device and kernel in self.kernels
+
+    @property
+    def reads_stacks_in_place(self) -> bool:
+        """Whether a layer stack's weights reach the products whole (models/stacked_weights.py), for a kernel that
+        reads a layer's weight where it lies in the stack (XLA copies a slice at a traced offset)."""
+        return any(self.has(kernel) for kernel in self.stack_readers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """A way to run products (`run(equation, x, weight, out_dtype)`) or attention (`run(...)`, the operands of
+    `cache_attention.grouped_attention`), taken where `accepts(numerics, ...)` says yes."""
+
+    name: str
+    accepts: Callable[..., bool]
+    run: Callable[..., jax.Array]
+
+
+_PRODUCTS: list[Implementation] = []
+_ATTENTION: list[Implementation] = []
+_AVAILABLE: dict[str, Callable[[str], bool]] = {}  # kernel name -> whether it is available on a platform
+_STACK_READERS: set[str] = set()  # kernels that read a layer's weight in place from its stack
+_ORDER: dict[str, int] = {}  # kernel name -> its place among the implementations (lowest tried first)
+_CURRENT: contextvars.ContextVar[Numerics | None] = contextvars.ContextVar("mtp_jax_numerics", default=None)
+
+
+def register_kernel(name: str, available: Callable[[str], bool], products: Implementation | None = None,
+                    attention: Implementation | None = None, reads_stacks: bool = False,
+                    order: int = 0) -> None:  # fmt: skip
+    """Register a kernel: `available(platform)` says whether it can run there (built and loaded); its product and
+    attention implementations, tried by `order` (lowest first; the order of registration among equals) before
+    XLA's forms; `reads_stacks`: its products read a layer's weight in place from its stack. Registering a name
+    again replaces it (a module reloaded)."""
+    _AVAILABLE[name] = available
+    _ORDER[name] = order
+    if reads_stacks:
+        _STACK_READERS.add(name)
+    for registry, implementation in ((_PRODUCTS, products), (_ATTENTION, attention)):
+        registry[:] = [i for i in registry if i.name != name]
+        if implementation is not None:
+            registry.append(dataclasses.replace(implementation, name=name))
+        registry.sort(key=lambda i: _ORDER[i.name])
+
+
+def here(invariant: bool = False) -> Numerics:
+    """The Numerics of a program traced now (under the active mesh, if any)."""
+    platform = active_platform()
+    available = frozenset(name for name, check in _AVAILABLE.items() if check(platform))
+    return Numerics(platform, one_device_active(), invariant, available, frozenset(_STACK_READERS & available))
+
+
+@contextlib.contextmanager
+def tracing(invariant: bool) -> Iterator[Numerics]:
+    """Trace inside this block with one Numerics, built now (batch-invariant decoding when `invariant`)."""
+    numerics = here(invariant)
+    token = _CURRENT.set(numerics)
+    try:
+        yield numerics
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> Numerics:
+    """The Numerics of the trace under way (`tracing`), or one built now for default numerics."""
+    return _CURRENT.get() or here()
+
+
+def product_implementation(equation: str, x: jax.Array, weight: Any) -> Implementation | None:
+    """The first registered product implementation that accepts this product now, or None (XLA's form)."""
+    numerics = current()
+    return next((i for i in _PRODUCTS if i.accepts(numerics, equation, x, weight)), None)
+
+
+def attention_implementation(q: jax.Array, past_k: Any, shards: int, whole_pass: bool) -> Implementation | None:
+    """The first registered attention kernel that accepts these queries [B, T, N, H] over this cache now, or None
+    (XLA's forms). `whole_pass`: the batch-invariant form asks for every pass, prefills included."""
+    numerics = current()
+    return next((i for i in _ATTENTION if i.accepts(numerics, q, past_k, shards, whole_pass)), None)
+
+
+def registered_product(name: str) -> Implementation | None:
+    """The product implementation registered under `name` (None: not registered)."""
+    return next((i for i in _PRODUCTS if i.name == name), None)

@@ -1,0 +1,121 @@
+"""Where the CPU row kernel is faster than XLA's own product on this machine, measured.
+
+The row kernel serves a decode step's few rows; XLA:CPU's product of the same operands can be the faster one (a
+wide pass of rows through its GEMM, a CPU whose level the kernel has no fast path for). Outside batch-invariant
+decoding (where the kernel is needed for its bits) a product takes the kernel only where it won: each weight form
+(float32, bfloat16, int8 per channel, int8 in blocks as GGUF's Q8_0, 4-bit blocks as Q4_1 with float or
+int8-rounded rows) is timed at a few row counts both ways, on a weight of a decode step's size, once per kernel
+library (its name covers the sources, compiler, flags, jaxlib and CPU), and the table is kept beside the library in
+the user's cache. `python -m mtp_jax.bench` prints the table (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.files import write_atomically
+from mtp_jax.models import matmul_layout
+from mtp_jax.quant import QuantizedArray, quantize_int4, quantize_int8, quantize_int8_blocks
+
+ROWS = (1, 2, 4, 8, 16, 64)  # row counts timed; a pass takes the verdict of the nearest one at or above it
+SHAPE = (576, 1536)  # K, N of the timed weight: a small model's MLP projection (a decode step's typical read)
+EQUATION = "MK,KN->MN"
+CALLS = 10  # calls per timing (the fastest of two such runs is kept)
+FORMS = ("float32", "bfloat16", "int8", "q8_0", "q4_1", "q4_1_int8_rows")
+DISABLE_ENV = "MTP_JAX_KERNEL_CHOICE"  # "0": take the kernel wherever it can run (no measurement)
+_LOCK = threading.Lock()
+
+
+def form_of(weight) -> str | None:
+    """The measured form of a weight (or of a StackedWeight's layer): None for a form not measured."""
+    weight = weight.layer_shapes() if hasattr(weight, "layer_shapes") else weight
+    if not isinstance(weight, QuantizedArray):
+        name = jnp.dtype(weight.dtype).name
+        return name if name in ("float32", "bfloat16") else None
+    if weight.packed:
+        return "q4_1_int8_rows" if weight.int8_rows else "q4_1"
+    if weight.values.dtype == jnp.int8:
+        return "int8" if weight.scales.dtype == jnp.float32 and weight.mins is None else "q8_0"
+    return None
+
+
+def timed_weight(form: str, rng: np.random.Generator):
+    """A [K, N] weight of `form` (SHAPE) with random values."""
+    w = jnp.asarray(rng.normal(size=SHAPE) / 16, jnp.float32)
+    if form in ("float32", "bfloat16"):
+        return w.astype(form)
+    if form == "int8":
+        return quantize_int8(w, (0,))
+    if form == "q8_0":
+        return quantize_int8_blocks(w, (0,))
+    return dataclasses.replace(quantize_int4(w, (0,)), int8_rows=form == "q4_1_int8_rows")
+
+
+def kernel_wins(table: dict, equation: str, x: jax.Array, weight) -> bool:
+    """Whether this product (x's rows by `weight`) takes the kernel: where its form, at the nearest measured row
+    count at or above its rows, ran faster through the kernel than through XLA's form (unmeasured: the kernel)."""
+    form = form_of(weight)
+    if form is None or os.environ.get(DISABLE_ENV) == "0":
+        return True
+    layer_shape = (weight.layer_shapes() if hasattr(weight, "layer_shapes") else weight).shape
+    rows = matmul_layout.layout(equation, x.shape, layer_shape).gmkn[1]
+    timed = next((r for r in ROWS if r >= rows), ROWS[-1])
+    verdict = table.get(form, {}).get(str(timed))
+    return verdict is None or verdict["kernel_us"] <= verdict["xla_us"]
+
+
+def table_for(library: Path, folder: Path, kernel: Callable, xla: Callable) -> dict:
+    """{form: {rows: {"kernel_us", "xla_us"}}} for the kernel library at `library`: read from `folder`, else
+    measured now (about ten seconds) and kept there. `kernel` and `xla`: (equation, x, weight) -> float32 product."""
+    with _LOCK:
+        return _table(library, folder, kernel, xla)
+
+
+@functools.cache
+def _table(library: Path, folder: Path, kernel: Callable, xla: Callable) -> dict:
+    path = folder / (library.name + ".choice.json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    print("mtp_jax: timing the CPU row kernel against XLA's products once for this build", file=sys.stderr)
+    measured = measure(kernel, xla)
+    write_atomically(str(path), json.dumps(measured, indent=1))
+    return measured
+
+
+def measure(kernel: Callable, xla: Callable) -> dict:
+    """Each form at each of ROWS, through the kernel and through XLA, in microseconds per product."""
+    rng = np.random.default_rng(0)
+    result = {}
+    for form in FORMS:
+        weight = timed_weight(form, rng)
+        result[form] = {}
+        for rows in ROWS:
+            x = jnp.asarray(rng.normal(size=(rows, SHAPE[0])), jnp.float32)
+            calls = [jax.jit(functools.partial(f, EQUATION)) for f in (kernel, xla)]
+            kernel_us, xla_us = (_microseconds(call, x, weight) for call in calls)
+            result[form][str(rows)] = {"kernel_us": kernel_us, "xla_us": xla_us}
+    return result
+
+
+def _microseconds(call, x, weight) -> float:
+    jax.block_until_ready(call(x, weight))
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        jax.block_until_ready([call(x, weight) for _ in range(CALLS)])
+        best = min(best, (time.perf_counter() - start) / CALLS)
+    return round(best * 1e6, 1)
