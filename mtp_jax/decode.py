@@ -29,7 +29,7 @@ from mtp_jax.models import causal_lm, cpu_rows
 from mtp_jax.prompts import encode_prompts, read_prompt_records
 from mtp_jax.quant import rounds_rows
 from mtp_jax.sharding import make_mesh
-from mtp_jax.text import batch_rows, check_budget, decode_batches, row_sampling
+from mtp_jax.text import batch_rows, check_budget, decode_batches, first_batch, row_sampling
 from mtp_jax.text_stream import stream_prompt
 
 
@@ -406,19 +406,21 @@ def load_for_decoding(args, records) -> tuple:
     decode_cfg = decode_config(args, num_draft)
     batch_size = batch_rows(model, args.batch_size, len(prompts))
     check_budget(model, prompts, decode_cfg, batch_size)
-    return model, tokenizer, prompts, default_decode_config(args, model, decode_cfg, batch_size), batch_size
+    decode_cfg = default_decode_config(args, model, decode_cfg, first_batch(prompts, batch_size))
+    return model, tokenizer, prompts, decode_cfg, batch_size
 
 
-def default_decode_config(args, model, cfg: DecodeConfig, batch_size: int) -> DecodeConfig:
+def default_decode_config(args, model, cfg: DecodeConfig, batch: tuple) -> DecodeConfig:
     """`cfg` with the drafting that pays here where the options leave it open: no --num-draft (and no --no-mtp),
-    or --adaptive without --round-costs (default_drafting.py). Its reason goes to the summary."""
+    or --adaptive without --round-costs (default_drafting.py), timed on `batch` (ids [B, W], lens [B]: the first
+    batch decoded). Its reason goes to the summary."""
     args.drafting = None
     leaves_open = args.num_draft is None or (args.adaptive and args.round_costs is None)
     if args.no_mtp or not model.config.has_mtp or not leaves_open:
         return cfg
     invariant = cfg.invariant or rounds_rows(model)  # as `speculative.generate` decodes it
     max_draft = args.num_draft if args.adaptive else None
-    drafting = default_drafting.choose(model, batch_size, invariant, max_draft, adaptive=args.adaptive)
+    drafting = default_drafting.choose(model, *batch, invariant, max_draft, adaptive=args.adaptive)
     args.drafting = drafting.reason
     return default_drafting.apply(cfg, drafting)
 

@@ -4,12 +4,13 @@ drafting that pays on the device it runs on, and one line saying what was chosen
 - No MTP head: plain decoding.
 - An accelerator: DEFAULT_DRAFTS["other"] drafts a round. A verify pass of a few rows there is a read of the
   weights, about one plain step (docs/benchmarks.md), so each accepted draft is a step saved.
-- A CPU: adaptive drafting (mtp_jax.adaptive), up to DEFAULT_DRAFTS["cpu"] a round, from round costs measured on
-  this machine. A CPU's verify pass costs more than a plain step in proportion to its rows (the row kernel's sums
-  are compute, not only reads), and by how much depends on the CPU's ISA level, its cores and the model: so the
-  rounds are timed (`round_timing.RoundTimer.adaptive_costs`, the bench's own timing) once per model, kernel build,
-  batch size and settings, and kept in `~/.cache/mtp_jax/round_costs.json`. Where no draft can pay, adaptive
-  decoding compiles to plain decoding; where the head's acceptance on the text does not pay, the loop rests.
+- A CPU: a verify pass costs more than a plain step in proportion to its rows (the row kernel's sums are compute,
+  not only reads), by how much depends on the CPU's ISA level, its cores and the model. So rounds of k = 0 ..
+  DEFAULT_DRAFTS["cpu"] drafts are timed here on the decode's own first prompts (`RoundTimer.fixed_rounds`, the
+  bench's timing), with the head's acceptance on them, once per model, kernel build, batch size and numerics, kept
+  in `~/.cache/mtp_jax/round_costs.json`; the k with the most tokens per unit of time is taken where it beats plain
+  decoding by MARGIN, else plain decoding (k = 0: no MTP layer run at all).
+`--adaptive` without `--round-costs` on a CPU gets its round costs timed the same way (`adaptive_round_costs`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mtp_jax.adaptive import drafting_can_pay
+from mtp_jax.adaptive import drafting_can_pay, expected_tokens
 from mtp_jax.config import DecodeConfig
 from mtp_jax.files import write_atomically
 from mtp_jax.models import cpu_rows, kernel_build
 from mtp_jax.round_timing import RoundTimer
 
-DEFAULT_DRAFTS = {"cpu": 2, "other": 3}  # the most drafts a round: adaptive on a CPU, fixed elsewhere
-TIMED_PROMPT = 32  # tokens of the prompt rows the rounds are timed after
+DEFAULT_DRAFTS = {"cpu": 2, "other": 3}  # the most drafts a round considered on a CPU; the drafts elsewhere
+MARGIN = 0.03  # drafting must beat plain decoding by this fraction (timing noise aside)
 TIMED_TOKENS = 64  # the budget whose cache the timed rounds use
+ITERATIONS = 16  # rounds per timed call (and judged drafts per row for the acceptance)
 COSTS_FILE = "round_costs.json"
 
 
@@ -47,10 +49,10 @@ class Drafting:
     reason: str
 
 
-def choose(model, batch_size: int, invariant: bool = False, max_draft: int | None = None,
+def choose(model, prompt_ids, prompt_lens, invariant: bool = False, max_draft: int | None = None,
            adaptive: bool = False) -> Drafting:  # fmt: skip
-    """The default drafting for `model` decoding `batch_size` rows here. `max_draft`: the most drafts a round, where
-    the user named it; `adaptive`: the user asked for adaptive drafting (on an accelerator, with estimated costs)."""
+    """The default drafting for `model` decoding a batch like `prompt_ids` [B, W] (lens [B]) here. `max_draft`:
+    the most drafts a round, where the user named it; `adaptive`: the user asked for adaptive drafting."""
     if not model.config.has_mtp:
         return Drafting(0, False, None, "plain decoding: the model has no MTP head")
     platform = jax.default_backend()
@@ -59,14 +61,22 @@ def choose(model, batch_size: int, invariant: bool = False, max_draft: int | Non
         kind = "adaptive drafting, up to" if adaptive else "drafting"
         return Drafting(k, adaptive, None, f"{kind} {k} a round: on {platform} a verify pass costs about a plain step")
     k = max_draft or DEFAULT_DRAFTS["cpu"]
-    costs, measured_now = cpu_round_costs(model, batch_size, k, invariant)
+    if adaptive:
+        costs, when = measured(model, prompt_ids, prompt_lens, k, invariant, "adaptive")
+        shown = ", ".join(f"{c:.2f}" for c in costs["costs"])
+        return Drafting(k, True, tuple(costs["costs"]), f"adaptive drafting, up to {k} a round: rounds with "
+                        f"0..{k} drafts cost {shown} plain steps on this CPU ({when})")  # fmt: skip
+    found, when = measured(model, prompt_ids, prompt_lens, k, invariant, "fixed")
+    costs, rates = np.asarray(found["costs"]), np.asarray(found["acceptance"], np.float32)
+    value = np.asarray(expected_tokens(rates)) / costs  # tokens per plain step's time, k = 0..max
+    best = int(np.argmax(value))
     shown = ", ".join(f"{c:.2f}" for c in costs)
-    where = "measured now, kept for later runs" if measured_now else "measured on this CPU earlier"
-    if not drafting_can_pay(costs):
-        return Drafting(0, False, None, f"plain decoding: rounds with 0..{k} drafts cost {shown} plain steps on this "
-                        f"CPU ({where}), so no draft can pay")  # fmt: skip
-    return Drafting(k, True, costs, f"adaptive drafting, up to {k} a round: rounds with 0..{k} drafts cost {shown} "
-                    f"plain steps on this CPU ({where})")  # fmt: skip
+    accepted = ", ".join(f"{r:.2f}" for r in rates)
+    facts = f"rounds of 0..{k} drafts cost {shown} plain steps and the head accepted {accepted} ({when})"
+    if best == 0 or value[best] < 1.0 + MARGIN:
+        return Drafting(0, False, None, f"plain decoding: on this CPU no draft count pays ({facts})")
+    return Drafting(best, False, None, f"{best} draft(s) a round, {value[best]:.2f}x plain's tokens per unit of "
+                    f"time expected on this CPU ({facts})")  # fmt: skip
 
 
 def apply(cfg: DecodeConfig, drafting: Drafting) -> DecodeConfig:
@@ -75,25 +85,30 @@ def apply(cfg: DecodeConfig, drafting: Drafting) -> DecodeConfig:
     )
 
 
-def cpu_round_costs(model, batch_size: int, max_draft: int, invariant: bool) -> tuple[tuple[float, ...], bool]:
-    """(round costs for j = 0..max_draft drafts in plain steps, whether they were measured now): timed once, then
-    read from the cache file."""
-    key = _costs_key(model, batch_size, max_draft, invariant)
+def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, kind: str) -> tuple[dict, str]:
+    """({"costs": [...], "acceptance": [...]} for this model here, and when it was measured): rounds of a fixed-k
+    loop ("fixed") or an adaptive loop's round costs ("adaptive"), timed once, then read from the cache file."""
+    batch = int(np.shape(prompt_ids)[0])
+    key = _costs_key(model, batch, max_draft, invariant, kind)
     path = costs_path()
     known = _read(path)
     if key in known:
-        return tuple(known[key]), False
-    print(f"mtp_jax: timing this CPU's decode rounds once (batch {batch_size}, 0..{max_draft} drafts), to choose the "
+        return known[key], "measured on this CPU earlier"
+    print(f"mtp_jax: timing this CPU's decode rounds once (batch {batch}, 0..{max_draft} drafts), to choose the "
           "default drafting", file=sys.stderr)  # fmt: skip
-    ids = np.tile(np.arange(1, TIMED_PROMPT + 1, dtype=np.int32) % model.config.vocab_size, (batch_size, 1))
-    lens = np.full((batch_size,), TIMED_PROMPT, np.int32)
-    timer = RoundTimer(model, ids, lens, TIMED_TOKENS, invariant=invariant, iterations=8, repeats=3)
-    costs = timer.adaptive_costs(max_draft)
+    timer = RoundTimer(model, prompt_ids, prompt_lens, TIMED_TOKENS, invariant=invariant, iterations=ITERATIONS,
+                       repeats=2)  # fmt: skip
+    if kind == "adaptive":
+        found = {"costs": list(timer.adaptive_costs(max_draft))}
+        if not drafting_can_pay(tuple(found["costs"])):
+            found["costs"] = [1.0] * (max_draft + 1)  # no draft can pay: the loop compiles to plain decoding
+    else:
+        costs, rates = timer.fixed_rounds(max_draft)
+        found = {"costs": list(costs), "acceptance": list(rates)}
     known = _read(path)  # another process may have written meanwhile
-    known[key] = list(costs)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    known[key] = found
     write_atomically(str(path), json.dumps(known, indent=1, sort_keys=True))
-    return costs, True
+    return found, "measured now on these prompts, kept for later runs"
 
 
 def costs_path() -> Path:
@@ -109,9 +124,9 @@ def _read(path: Path) -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def _costs_key(model, batch_size: int, max_draft: int, invariant: bool) -> str:
-    """Everything the costs depend on: the model's config and parameter shapes and dtypes, the kernel's build and
-    ISA level, JAX's version, the CPU's cores, the batch, the drafts and the numerics."""
+def _costs_key(model, batch_size: int, max_draft: int, invariant: bool, kind: str) -> str:
+    """Everything the measurement depends on but the prompts: the model's config and parameter shapes and dtypes,
+    the kernel's build and ISA level, JAX's version, the CPU's cores, the batch, the drafts, the numerics."""
     leaves = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(nnx.state(model))]
     parts = [
         repr(model.config),
@@ -120,6 +135,6 @@ def _costs_key(model, batch_size: int, max_draft: int, invariant: bool) -> str:
         " ".join(kernel_build.flags()),
         jax.__version__,
         str(os.cpu_count()),
-        f"{batch_size}/{max_draft}/{invariant}",
+        f"{batch_size}/{max_draft}/{invariant}/{kind}",
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]

@@ -95,11 +95,17 @@ def generate_text(
     check_budget(model, encoded, cfg, rows)
     drafting = None
     if given is None and model.config.has_mtp:
-        drafting = default_drafting.choose(model, rows, cfg.invariant or rounds_rows(model))
+        drafting = default_drafting.choose(model, *first_batch(encoded, rows), cfg.invariant or rounds_rows(model))
         cfg = default_drafting.apply(cfg, drafting)
     results: list[TextResult] = []
     summary = decode_batches(model, tokenizer, encoded, cfg, rows, row_sampling(cfg, seed), results.extend)
     return TextOutput(results, summary if drafting is None else {**summary, "drafting": drafting.reason})
+
+
+def first_batch(prompts: list[Prompt], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first batch `decode_batches` will decode, padded as it pads it: ids [B, W], lens [B]."""
+    batch = prompts[:batch_size]
+    return pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch)))
 
 
 def checked_config(model: CausalLM, cfg: DecodeConfig | None) -> DecodeConfig:

@@ -84,8 +84,8 @@ def test_jsonl_output_stats_and_mtp_equals_plain(checkpoints, capsys, tmp_path):
 
 
 def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monkeypatch):
-    """Without --num-draft a model with a head drafts adaptively on a CPU, from round costs timed once on this
-    machine (then read back: no second timing) and named in the summary; three drafts a round elsewhere; a model
+    """Without --num-draft a model with a head drafts on a CPU as the round costs and acceptance timed once on this
+    machine say (then read back: no second timing), named in the summary; three drafts a round elsewhere; a model
     without a head none."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     stats = tmp_path / "s.json"
@@ -94,7 +94,7 @@ def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monke
     assert code == 0 and "timing this CPU's decode rounds once" in err
     drafting = json.loads(stats.read_text())["drafting"]
     assert "measured now" in drafting and drafting in err
-    assert drafting.startswith(("adaptive drafting, up to 2 a round", "plain decoding"))
+    assert drafting.startswith(("1 draft(s) a round", "2 draft(s) a round", "plain decoding"))
     code, _, err = decode(capsys, "--model", checkpoints / "with_head", *common)
     assert code == 0 and "timing" not in err
     assert "measured on this CPU earlier" in json.loads(stats.read_text())["drafting"]

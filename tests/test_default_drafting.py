@@ -1,9 +1,11 @@
-"""The default drafting (mtp_jax/default_drafting.py): on a CPU, adaptive from measured round costs where a draft
-can pay, plain decoding where none can; round costs timed once per key and read back after."""
+"""The default drafting (mtp_jax/default_drafting.py): on a CPU, the k whose measured round cost and acceptance
+give the most tokens per unit of time where it beats plain decoding, plain decoding where none does; measurements
+taken once per key and read back after."""
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -12,6 +14,7 @@ from mtp_jax.config import DecodeConfig
 from mtp_jax.models.causal_lm import CausalLM
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's default drafting")
+IDS, LENS = np.tile(np.arange(1, 17, dtype=np.int32), (1, 1)), np.asarray([16], np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -20,23 +23,29 @@ def model():
 
 
 @pytest.mark.parametrize(
-    "costs, adaptive",
-    [((1.0, 1.2, 1.3), True), ((1.5, 2.1, 3.2), False)],  # (j + 1) / c_j: 0.95 and 0.94 against resting's ~0.97
-    ids=["a-draft-can-pay", "none-can"],
+    "costs, acceptance, chosen",
+    [
+        ((1.0, 1.24, 1.67), (0.6, 0.72), 1),  # tokens per plain step: 1.29 (k = 1) against 1.22 (k = 2)
+        ((1.0, 1.1, 1.2), (0.8, 0.9), 2),  # 1.64 against 2.32 / 1.2 = 1.93
+        ((1.0, 1.5, 2.0), (0.3, 0.3), 0),  # 0.87 and 0.70: plain decoding
+    ],
 )
-def test_adaptive_where_a_draft_can_pay_plain_where_none_can(model, monkeypatch, costs, adaptive):
-    monkeypatch.setattr(default_drafting, "cpu_round_costs", lambda *a: (costs, False))
-    drafting = default_drafting.choose(model, batch_size=1)
-    assert (drafting.adaptive, drafting.num_draft) == ((True, 2) if adaptive else (False, 0))
+def test_the_k_with_the_most_tokens_per_unit_of_time(model, monkeypatch, costs, acceptance, chosen):
+    found = {"costs": list(costs), "acceptance": list(acceptance)}
+    monkeypatch.setattr(default_drafting, "measured", lambda *a: (found, "measured earlier"))
+    drafting = default_drafting.choose(model, IDS, LENS)
+    assert (drafting.num_draft, drafting.adaptive) == (chosen, False)
+    assert drafting.reason.startswith(f"{chosen} draft(s) a round" if chosen else "plain decoding")
     cfg = default_drafting.apply(DecodeConfig(num_draft=3), drafting)
-    assert cfg.round_costs == (costs if adaptive else None)
-    assert drafting.reason.startswith("adaptive drafting, up to 2" if adaptive else "plain decoding")
+    assert cfg.num_draft == chosen and cfg.round_costs is None
 
 
-def test_round_costs_are_timed_once_per_key(model, monkeypatch, tmp_path):
+def test_measured_once_per_key(model, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    costs, measured_now = default_drafting.cpu_round_costs(model, 1, 1, False)
-    assert measured_now and len(costs) == 2 and costs[0] >= 1.0 and costs[1] >= 1.0
-    assert default_drafting.cpu_round_costs(model, 1, 1, False) == (costs, False)
-    assert default_drafting.cpu_round_costs(model, 2, 1, False)[1]  # another batch size: timed again
+    found, when = default_drafting.measured(model, IDS, LENS, 1, False, "fixed")
+    assert when.startswith("measured now") and len(found["costs"]) == 2 and len(found["acceptance"]) == 1
+    assert found["costs"][0] == 1.0 and found["costs"][1] >= 1.0 and 0.0 <= found["acceptance"][0] <= 1.0
+    assert default_drafting.measured(model, IDS, LENS, 1, False, "fixed") == (found, "measured on this CPU earlier")
+    adaptive, when = default_drafting.measured(model, IDS, LENS, 1, False, "adaptive")  # another key
+    assert when.startswith("measured now") and len(adaptive["costs"]) == 2
     assert default_drafting.costs_path().is_file()
