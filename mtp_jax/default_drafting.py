@@ -34,6 +34,8 @@ from mtp_jax.round_timing import RoundTimer
 
 DEFAULT_DRAFTS = {"cpu": 2, "other": 3}  # the most drafts a round considered on a CPU; the drafts elsewhere
 MARGIN = 0.03  # drafting must beat plain decoding by this fraction (timing noise aside)
+PRIOR_RATE = 0.35  # the acceptance a depth is taken to have before it is measured (the shipped head's first depth
+PRIOR_WEIGHT = 32  # on chat prompts), worth this many judged drafts: a few lucky rounds on one prompt do not decide
 TIMED_TOKENS = 64  # the budget whose cache the timed rounds use
 ITERATIONS = 16  # rounds per timed call (and judged drafts per row for the acceptance)
 COSTS_FILE = "round_costs.json"
@@ -67,16 +69,22 @@ def choose(model, prompt_ids, prompt_lens, invariant: bool = False, max_draft: i
         return Drafting(k, True, tuple(costs["costs"]), f"adaptive drafting, up to {k} a round: rounds with "
                         f"0..{k} drafts cost {shown} plain steps on this CPU ({when})")  # fmt: skip
     found, when = measured(model, prompt_ids, prompt_lens, k, invariant, "fixed")
-    costs, rates = np.asarray(found["costs"]), np.asarray(found["acceptance"], np.float32)
+    costs, rates = np.asarray(found["costs"]), acceptance(found["judged"], found["accepted"])
     value = np.asarray(expected_tokens(rates)) / costs  # tokens per plain step's time, k = 0..max
     best = int(np.argmax(value))
     shown = ", ".join(f"{c:.2f}" for c in costs)
-    accepted = ", ".join(f"{r:.2f}" for r in rates)
-    facts = f"rounds of 0..{k} drafts cost {shown} plain steps and the head accepted {accepted} ({when})"
+    judged = ", ".join(f"{a}/{j}" for a, j in zip(found["accepted"], found["judged"], strict=True))
+    facts = f"rounds of 0..{k} drafts cost {shown} plain steps, the head's drafts accepted {judged} ({when})"
     if best == 0 or value[best] < 1.0 + MARGIN:
         return Drafting(0, False, None, f"plain decoding: on this CPU no draft count pays ({facts})")
     return Drafting(best, False, None, f"{best} draft(s) a round, {value[best]:.2f}x plain's tokens per unit of "
                     f"time expected on this CPU ({facts})")  # fmt: skip
+
+
+def acceptance(judged, accepted) -> np.ndarray:
+    """Conditional acceptance per depth [k], float32: the measured counts with PRIOR_WEIGHT drafts at PRIOR_RATE."""
+    judged, accepted = np.asarray(judged, np.float32), np.asarray(accepted, np.float32)
+    return (accepted + PRIOR_RATE * PRIOR_WEIGHT) / (judged + PRIOR_WEIGHT)
 
 
 def apply(cfg: DecodeConfig, drafting: Drafting) -> DecodeConfig:
@@ -103,8 +111,8 @@ def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, ki
         if not drafting_can_pay(tuple(found["costs"])):
             found["costs"] = [1.0] * (max_draft + 1)  # no draft can pay: the loop compiles to plain decoding
     else:
-        costs, rates = timer.fixed_rounds(max_draft)
-        found = {"costs": list(costs), "acceptance": list(rates)}
+        costs, judged, accepted = timer.fixed_rounds(max_draft)
+        found = {"costs": list(costs), "judged": list(judged), "accepted": list(accepted)}
     known = _read(path)  # another process may have written meanwhile
     known[key] = found
     write_atomically(str(path), json.dumps(known, indent=1, sort_keys=True))

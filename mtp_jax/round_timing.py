@@ -134,16 +134,16 @@ class RoundTimer:
         times = self.milliseconds(parts + ([("draft", num_draft, num_draft)] if num_draft else []))
         return {"round_ms": times[0], "verify_ms": times[1], "draft_ms": times[2] if num_draft else 0.0}
 
-    def fixed_rounds(self, max_draft: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(the time of a fixed-k loop's round over a plain one for k = 0..max_draft, timed in the same sweeps; the
-        conditional acceptance per depth of the max_draft loop's rounds as timed, greedy from the prompts)."""
+    def fixed_rounds(self, max_draft: int) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
+        """(the time of a fixed-k loop's round over a plain one for k = 0..max_draft, timed in the same sweeps; per
+        depth, the drafts judged and accepted in the max_draft loop's rounds as timed, greedy from the prompts)."""
         parts = [("round", k, k) for k in range(max_draft + 1)]
         plain, *rounds = self.milliseconds(parts)
         costs = np.maximum.accumulate(np.maximum(np.asarray([plain, *rounds]) / plain, 1.0))
         run, _ = self._part(*parts[-1])
         stats = jax.device_get(run().stats)
-        rates = np.asarray(stats.accepted_at) / np.maximum(np.asarray(stats.reached), 1)
-        return tuple(float(c) for c in costs), tuple(float(r) for r in rates)
+        judged, accepted = (tuple(int(n) for n in counts) for counts in (stats.reached, stats.accepted_at))
+        return tuple(float(c) for c in costs), judged, accepted
 
     def adaptive_costs(self, max_draft: int) -> tuple[float, ...]:
         """An adaptive loop's `round_costs`, over a plain loop's round (timed in the same sweeps): rounds with j =

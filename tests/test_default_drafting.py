@@ -23,15 +23,17 @@ def model():
 
 
 @pytest.mark.parametrize(
-    "costs, acceptance, chosen",
-    [
-        ((1.0, 1.24, 1.67), (0.6, 0.72), 1),  # tokens per plain step: 1.29 (k = 1) against 1.22 (k = 2)
-        ((1.0, 1.1, 1.2), (0.8, 0.9), 2),  # 1.64 against 2.32 / 1.2 = 1.93
-        ((1.0, 1.5, 2.0), (0.3, 0.3), 0),  # 0.87 and 0.70: plain decoding
+    "costs, accepted, chosen",
+    [  # 96 drafts judged at each depth; acceptance with the prior's 32 at 0.35: (a + 11.2) / 128
+        ((1.0, 1.24, 1.67), (64, 69), 1),  # 0.59, 0.63: tokens per plain step 1.28 (k = 1) against 1.17 (k = 2)
+        ((1.0, 1.1, 1.2), (80, 86), 2),  # 0.71, 0.76: 1.56 against 1.87
+        ((1.0, 1.5, 2.0), (29, 29), 0),  # 0.31, 0.31: 0.87 and 0.71, plain decoding
+        ((1.0, 1.5, 2.0), (14, 14), 0),  # 14 of 16 on a lucky prompt: (14 + 11.2) / 48 = 0.53, 1.02x: not enough
     ],
 )
-def test_the_k_with_the_most_tokens_per_unit_of_time(model, monkeypatch, costs, acceptance, chosen):
-    found = {"costs": list(costs), "acceptance": list(acceptance)}
+def test_the_k_with_the_most_tokens_per_unit_of_time(model, monkeypatch, costs, accepted, chosen):
+    judged = [16, 16] if accepted == (14, 14) else [96, 96]
+    found = {"costs": list(costs), "judged": judged, "accepted": list(accepted)}
     monkeypatch.setattr(default_drafting, "measured", lambda *a: (found, "measured earlier"))
     drafting = default_drafting.choose(model, IDS, LENS)
     assert (drafting.num_draft, drafting.adaptive) == (chosen, False)
@@ -43,8 +45,9 @@ def test_the_k_with_the_most_tokens_per_unit_of_time(model, monkeypatch, costs, 
 def test_measured_once_per_key(model, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     found, when = default_drafting.measured(model, IDS, LENS, 1, False, "fixed")
-    assert when.startswith("measured now") and len(found["costs"]) == 2 and len(found["acceptance"]) == 1
-    assert found["costs"][0] == 1.0 and found["costs"][1] >= 1.0 and 0.0 <= found["acceptance"][0] <= 1.0
+    assert when.startswith("measured now") and len(found["costs"]) == 2 and len(found["judged"]) == 1
+    assert found["costs"][0] == 1.0 and found["costs"][1] >= 1.0 and 0 <= found["accepted"][0] <= found["judged"][0]
+    assert found["judged"][0] == default_drafting.ITERATIONS  # one row, a draft judged every round
     assert default_drafting.measured(model, IDS, LENS, 1, False, "fixed") == (found, "measured on this CPU earlier")
     adaptive, when = default_drafting.measured(model, IDS, LENS, 1, False, "adaptive")  # another key
     assert when.startswith("measured now") and len(adaptive["costs"]) == 2
