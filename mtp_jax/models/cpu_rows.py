@@ -97,15 +97,11 @@ def reset_status() -> None:
 
 
 def prepare() -> None:
-    """Build or load the kernel, and measure where it wins (`choice_table`), in a background thread: a first run's
-    build and measurement then overlap loading the model."""
+    """Build or load the kernel in a background thread (a first run's build then overlaps loading the model). Where
+    it wins is measured later, at the first product traced (`choice_table`): timings taken beside a load or a
+    compile would measure those."""
     if jax.default_backend() == "cpu":
-        threading.Thread(target=_prepared, name="mtp_jax-row-kernel", daemon=True).start()
-
-
-def _prepared() -> None:
-    if status() == "ready":
-        choice_table()
+        threading.Thread(target=status, name="mtp_jax-row-kernel", daemon=True).start()
 
 
 @functools.cache

@@ -32,7 +32,8 @@ from mtp_jax.quant import QuantizedArray, quantize_int4, quantize_int8, quantize
 ROWS = (1, 2, 4, 8, 16, 64)  # row counts timed; a pass takes the verdict of the nearest one at or above it
 SHAPE = (576, 1536)  # K, N of the timed weight: a small model's MLP projection (a decode step's typical read)
 EQUATION = "MK,KN->MN"
-CALLS = 10  # calls per timing (the fastest of two such runs is kept)
+CALLS = 10  # calls per timing
+SWEEPS = 3  # timings of each, interleaved; the fastest is kept
 FORMS = ("float32", "bfloat16", "int8", "q8_0", "q4_1", "q4_1_int8_rows")
 DISABLE_ENV = "MTP_JAX_KERNEL_CHOICE"  # "0": take the kernel wherever it can run (no measurement)
 _LOCK = threading.Lock()
@@ -91,13 +92,26 @@ def _table(library: Path, folder: Path, kernel: Callable, xla: Callable) -> dict
     except (OSError, ValueError):
         pass
     print("mtp_jax: timing the CPU row kernel against XLA's products once for this build", file=sys.stderr)
-    measured = measure(kernel, xla)
+    measured = outside_any_trace(functools.partial(measure, kernel, xla))
     write_atomically(str(path), json.dumps(measured, indent=1))
     return measured
 
 
+def outside_any_trace(run: Callable[[], dict]) -> dict:
+    """run() in a thread of its own: the table is asked for while a program is traced, and JAX stages every call
+    made under a trace into that program instead of running it; a new thread starts outside any trace."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(run()), name="mtp_jax-kernel-choice")
+    worker.start()
+    worker.join()
+    if not result:
+        raise RuntimeError("timing the CPU row kernel failed (see the thread's error above)")
+    return result[0]
+
+
 def measure(kernel: Callable, xla: Callable) -> dict:
-    """Each form at each of ROWS, through the kernel and through XLA, in microseconds per product."""
+    """Each form at each of ROWS, through the kernel and through XLA, in microseconds per product: the two timed in
+    turn, SWEEPS times over, each keeping its fastest (a busy spell of the machine slows both, and only adds)."""
     rng = np.random.default_rng(0)
     result = {}
     for form in FORMS:
@@ -106,16 +120,13 @@ def measure(kernel: Callable, xla: Callable) -> dict:
         for rows in ROWS:
             x = jnp.asarray(rng.normal(size=(rows, SHAPE[0])), jnp.float32)
             calls = [jax.jit(functools.partial(f, EQUATION)) for f in (kernel, xla)]
-            kernel_us, xla_us = (_microseconds(call, x, weight) for call in calls)
-            result[form][str(rows)] = {"kernel_us": kernel_us, "xla_us": xla_us}
+            for call in calls:
+                jax.block_until_ready(call(x, weight))
+            best = [float("inf")] * 2
+            for _ in range(SWEEPS):
+                for i, call in enumerate(calls):
+                    start = time.perf_counter()
+                    jax.block_until_ready([call(x, weight) for _ in range(CALLS)])
+                    best[i] = min(best[i], (time.perf_counter() - start) / CALLS)
+            result[form][str(rows)] = {"kernel_us": round(best[0] * 1e6, 1), "xla_us": round(best[1] * 1e6, 1)}
     return result
-
-
-def _microseconds(call, x, weight) -> float:
-    jax.block_until_ready(call(x, weight))
-    best = float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        jax.block_until_ready([call(x, weight) for _ in range(CALLS)])
-        best = min(best, (time.perf_counter() - start) / CALLS)
-    return round(best * 1e6, 1)
