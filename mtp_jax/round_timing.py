@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import threading
 import time
 
 import jax
@@ -167,6 +169,24 @@ def plain_step_bytes(model, batch: int, slots: int) -> int:
     trunk_bytes, _ = step_param_bytes(model)
     cache = jax.eval_shape(lambda: model.new_cache(batch, slots))
     return trunk_bytes + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
+    """A CPU's streaming read bandwidth in bytes/s: `num_bytes` read once, split over as many threads as it has
+    cores (numpy's reductions let go of the GIL), the fastest of `repeats` passes. What a decode step's weights
+    can be read at, where XLA's elementwise copy (`copy_bandwidth`) runs on fewer threads."""
+    data = np.ones(num_bytes // 8, np.uint64)
+    parts = np.array_split(data, os.cpu_count() or 1)
+    best = math.inf
+    for _ in range(repeats):
+        threads = [threading.Thread(target=np.bitwise_xor.reduce, args=(part,)) for part in parts]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
 
 
 def copy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
