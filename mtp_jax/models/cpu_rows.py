@@ -260,10 +260,10 @@ def choice_table() -> dict:
         return {}
     library = _REGISTERED[0]  # the table is kept beside it where that folder can be written
     folder = library.parent if os.access(library.parent, os.W_OK) else build_dir()
-    return kernel_choice.table_for(library, folder, einsum, _xla_float32)
+    return kernel_choice.table_for(library, folder, einsum, xla_float32)
 
 
-def _xla_float32(equation: str, x: jax.Array, weight) -> jax.Array:
+def xla_float32(equation: str, x: jax.Array, weight) -> jax.Array:
     return xla_project(equation, x, weight, jnp.float32)
 
 
