@@ -33,13 +33,14 @@ class Numerics:
 
     platform: "cpu", "gpu" or "tpu" (of the active mesh, else the default backend); one_device: no mesh of several
     devices is active; invariant: a batch-invariant decode is traced (DecodeConfig.invariant); kernels: the names of
-    the registered kernels available here (built, loaded and meant for this platform)."""
+    the registered kernels available here (built, loaded and meant for this platform), sorted: the repr is part of
+    the key of a program kept on disk (executable_cache.py), the same in every process."""
 
     platform: str
     one_device: bool
     invariant: bool
-    kernels: frozenset[str]
-    stack_readers: frozenset[str] = frozenset()  # of those, the ones that read a layer's weight in its stack
+    kernels: tuple[str, ...]
+    stack_readers: tuple[str, ...] = ()  # of those, the ones that read a layer's weight in its stack
 
     def has(self, kernel: str) -> bool:
         """Whether `kernel` may run a custom call in this program: available, and on one device."""
@@ -91,8 +92,9 @@ def register_kernel(name: str, available: Callable[[str], bool], products: Imple
 def here(invariant: bool = False) -> Numerics:
     """The Numerics of a program traced now (under the active mesh, if any)."""
     platform = active_platform()
-    available = frozenset(name for name, check in _AVAILABLE.items() if check(platform))
-    return Numerics(platform, one_device_active(), invariant, available, frozenset(_STACK_READERS & available))
+    available = sorted(name for name, check in _AVAILABLE.items() if check(platform))
+    readers = tuple(name for name in available if name in _STACK_READERS)
+    return Numerics(platform, one_device_active(), invariant, tuple(available), readers)
 
 
 @contextlib.contextmanager
