@@ -8,9 +8,10 @@ drafting that pays on the device it runs on, and one line saying what was chosen
   not only reads), by how much depends on the CPU's ISA level, its cores and the model. So rounds of k = 0 ..
   DEFAULT_DRAFTS["cpu"] drafts are timed here on the decode's own first prompts (`RoundTimer.fixed_rounds`, the
   bench's timing), with the head's acceptance on them, once per model, kernel build, batch size and numerics, kept
-  in `~/.cache/mtp_jax/round_costs.json`; the k with the most tokens per unit of time is taken where it beats plain
-  decoding by MARGIN, else plain decoding (k = 0: no MTP layer run at all).
-`--adaptive` without `--round-costs` on a CPU gets its round costs timed the same way (`adaptive_round_costs`).
+  in the package's cache folder (`round_costs.json` in `~/.cache/mtp_jax` or $MTP_JAX_CACHE); the k with the most
+  tokens per unit of time is taken where it beats plain decoding by MARGIN, else plain decoding (k = 0: no MTP
+  layer run at all).
+`--adaptive` without `--round-costs` on a CPU gets its round costs timed the same way (`measured(..., "adaptive")`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from flax import nnx
 
 from mtp_jax.adaptive import drafting_can_pay, expected_tokens
 from mtp_jax.config import DecodeConfig
+from mtp_jax.default_model import cache_dir
 from mtp_jax.files import write_atomically
 from mtp_jax.models import cpu_rows, kernel_build
 from mtp_jax.round_timing import RoundTimer
@@ -120,8 +122,7 @@ def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, ki
 
 
 def costs_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mtp_jax" / COSTS_FILE
+    return Path(cache_dir()) / COSTS_FILE
 
 
 def _read(path: Path) -> dict:

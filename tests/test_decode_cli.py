@@ -15,6 +15,7 @@ from mtp_jax import decode as decode_cli
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode import main as decode_main
 from mtp_jax.decode import terminal_text
+from mtp_jax.default_model import CACHE_ENV
 from mtp_jax.models import cpu_rows
 from tests.tiny_models import tiny_config
 
@@ -87,7 +88,7 @@ def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monke
     """Without --num-draft a model with a head drafts on a CPU as the round costs and acceptance timed once on this
     machine say (then read back: no second timing), named in the summary; three drafts a round elsewhere; a model
     without a head none."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     stats = tmp_path / "s.json"
     common = ["--prompts-file", checkpoints / "prompts.jsonl", "--max-new-tokens", 4, "--stats-json", stats]
     code, _, err = decode(capsys, "--model", checkpoints / "with_head", *common)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from mtp_jax import default_drafting, shapes
 from mtp_jax.config import DecodeConfig
+from mtp_jax.default_model import CACHE_ENV
 from mtp_jax.models.causal_lm import CausalLM
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's default drafting")
@@ -43,7 +44,7 @@ def test_the_k_with_the_most_tokens_per_unit_of_time(model, monkeypatch, costs, 
 
 
 def test_measured_once_per_key(model, monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     found, when = default_drafting.measured(model, IDS, LENS, 1, False, "fixed")
     assert when.startswith("measured now") and len(found["costs"]) == 2 and len(found["judged"]) == 1
     assert found["costs"][0] == 1.0 and found["costs"][1] >= 1.0 and 0 <= found["accepted"][0] <= found["judged"][0]
