@@ -1,6 +1,6 @@
 """The kernel dispatch's measured choice (models/dispatch.py, models/kernel_choice.py): outside batch-invariant
 decoding a product takes the CPU row kernel only where the kernel beat XLA's form in the table for its weight form
-and row count; under it, always; the table is timed outside any trace, each form both ways."""
+and row count; under it, always; the table is timed outside any trace, each form both ways, [K, N] and [N, K] apart."""
 
 from __future__ import annotations
 
@@ -45,11 +45,31 @@ def test_every_form_is_recognised():
     rng = np.random.default_rng(0)
     for form in kernel_choice.FORMS:
         assert kernel_choice.form_of(kernel_choice.timed_weight(form, rng)) == form
+    for form in kernel_choice.TRANSPOSED_FORMS:
+        weight = kernel_choice.timed_weight(form, rng, transposed=True)
+        assert kernel_choice.form_of(weight) == form
+        x = jnp.ones((1, kernel_choice.SHAPE[0]))
+        assert cpu_rows.takes(kernel_choice.TRANSPOSED, x, weight, invariant=False)  # the kernel reads it [N, K]
+
+
+def test_a_transposed_product_takes_its_own_verdict(monkeypatch):
+    """A tied lm_head reads the embedding [V, D] by the kernel's other loop: the [K, N] timing says nothing of it."""
+    monkeypatch.setenv(kernel_choice.DISABLE_ENV, "1")
+    kernel_faster = {str(r): {"kernel_us": 1.0, "xla_us": 2.0} for r in kernel_choice.ROWS}
+    xla_faster = {str(r): {"kernel_us": 3.0, "xla_us": 2.0} for r in kernel_choice.ROWS}
+    table = {"float32": kernel_faster, "float32" + kernel_choice.TRANSPOSED_KEY: xla_faster}
+    monkeypatch.setattr(cpu_rows, "choice_table", lambda: table)
+    x = jnp.ones((1, 64))
+    assert _takes_kernel(x, jnp.ones((64, 96), jnp.float32))
+    assert "ffi_call" not in str(jax.make_jaxpr(lambda x, w: project("MD,ND->MN", x, w))(x, jnp.ones((96, 64))))
+    table["float32" + kernel_choice.TRANSPOSED_KEY] = kernel_faster
+    assert "ffi_call" in str(jax.make_jaxpr(lambda x, w: project("MD,ND->MN", x, w))(x, jnp.ones((96, 64))))
 
 
 def test_the_table_is_timed_outside_the_trace_that_asks_for_it(monkeypatch):
     monkeypatch.setattr(kernel_choice, "ROWS", (1, 2))
     monkeypatch.setattr(kernel_choice, "FORMS", ("q4_1",))
+    monkeypatch.setattr(kernel_choice, "TRANSPOSED_FORMS", ("q8_0",))
     monkeypatch.setattr(kernel_choice, "SHAPE", (64, 96))
     monkeypatch.setattr(kernel_choice, "CALLS", 2)
     measured = []
@@ -62,8 +82,8 @@ def test_the_table_is_timed_outside_the_trace_that_asks_for_it(monkeypatch):
     jaxpr = jax.make_jaxpr(traced)(jnp.ones(3))
     assert len(jaxpr.eqns) == 1  # the add alone: no timed call was staged into the program being traced
     table = measured[0]
-    assert set(table) == {"q4_1"} and set(table["q4_1"]) == {"1", "2"}
-    for verdict in table["q4_1"].values():
+    assert set(table) == {"q4_1", "q8_0 [N, K]"} and all(set(t) == {"1", "2"} for t in table.values())
+    for verdict in [*table["q4_1"].values(), *table["q8_0 [N, K]"].values()]:
         assert verdict["kernel_us"] > 0 and verdict["xla_us"] > 0
 
 

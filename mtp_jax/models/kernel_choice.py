@@ -4,7 +4,8 @@ The row kernel serves a decode step's few rows; XLA:CPU's product of the same op
 wide pass of rows through its GEMM, a CPU whose level the kernel has no fast path for). Outside batch-invariant
 decoding (where the kernel is needed for its bits) a product takes the kernel only where it won: each weight form
 (float32, bfloat16, int8 per channel, int8 in blocks as GGUF's Q8_0, 4-bit blocks as Q4_1 with float or
-int8-rounded rows) is timed at a few row counts both ways, on a weight of a decode step's size, once per kernel
+int8-rounded rows) is timed at a few row counts both ways, on a weight of a decode step's size, [K, N] as a
+projection reads it and [N, K] as a tied lm_head reads the embedding (the kernel's other loop), once per kernel
 library (its name covers the sources, compiler, flags, jaxlib and CPU), and the table is kept beside the library in
 the user's cache. `python -m mtp_jax.bench` prints the table (docs/benchmarks.md).
 """
@@ -32,9 +33,13 @@ from mtp_jax.quant import QuantizedArray, quantize_int4, quantize_int8, quantize
 ROWS = (1, 2, 4, 8, 16, 64)  # row counts timed; a pass takes the verdict of the nearest one at or above it
 SHAPE = (576, 1536)  # K, N of the timed weight: a small model's MLP projection (a decode step's typical read)
 EQUATION = "MK,KN->MN"
+TRANSPOSED = "MK,NK->MN"  # a tied lm_head's product: the embedding's rows [V, D] read as the weight
 CALLS = 10  # calls per timing
 SWEEPS = 3  # timings of each, interleaved; the fastest is kept
 FORMS = ("float32", "bfloat16", "int8", "q8_0", "q4_1", "q4_1_int8_rows")
+TRANSPOSED_FORMS = ("float32", "bfloat16", "int8", "q8_0")  # the forms the kernel reads as [N, K] too
+TRANSPOSED_KEY = " [N, K]"  # the table's key for a form read transposed: "q8_0 [N, K]"
+TABLE_VERSION = 2  # in the kept table's name: a table of other keys is measured again
 DISABLE_ENV = "MTP_JAX_KERNEL_CHOICE"  # "0": take the kernel wherever it can run (no measurement)
 _LOCK = threading.Lock()
 
@@ -52,16 +57,17 @@ def form_of(weight) -> str | None:
     return None
 
 
-def timed_weight(form: str, rng: np.random.Generator):
-    """A [K, N] weight of `form` (SHAPE) with random values."""
-    w = jnp.asarray(rng.normal(size=SHAPE) / 16, jnp.float32)
+def timed_weight(form: str, rng: np.random.Generator, transposed: bool = False):
+    """A [K, N] weight of `form` (SHAPE) with random values; [N, K] when transposed."""
+    w = jnp.asarray(rng.normal(size=SHAPE[::-1] if transposed else SHAPE) / 16, jnp.float32)
+    contracting = (1,) if transposed else (0,)
     if form in ("float32", "bfloat16"):
         return w.astype(form)
     if form == "int8":
-        return quantize_int8(w, (0,))
+        return quantize_int8(w, contracting)
     if form == "q8_0":
-        return quantize_int8_blocks(w, (0,))
-    return dataclasses.replace(quantize_int4(w, (0,)), int8_rows=form == "q4_1_int8_rows")
+        return quantize_int8_blocks(w, contracting)
+    return dataclasses.replace(quantize_int4(w, contracting), int8_rows=form == "q4_1_int8_rows")
 
 
 def kernel_wins(table: dict, equation: str, x: jax.Array, weight) -> bool:
@@ -71,9 +77,9 @@ def kernel_wins(table: dict, equation: str, x: jax.Array, weight) -> bool:
     if form is None or os.environ.get(DISABLE_ENV) == "0":
         return True
     layer_shape = (weight.layer_shapes() if hasattr(weight, "layer_shapes") else weight).shape
-    rows = matmul_layout.layout(equation, x.shape, layer_shape).gmkn[1]
-    timed = next((r for r in ROWS if r >= rows), ROWS[-1])
-    verdict = table.get(form, {}).get(str(timed))
+    lay = matmul_layout.layout(equation, x.shape, layer_shape)
+    timed = next((r for r in ROWS if r >= lay.gmkn[1]), ROWS[-1])
+    verdict = table.get(form + (TRANSPOSED_KEY if lay.transposed else ""), {}).get(str(timed))
     return verdict is None or verdict["kernel_us"] <= verdict["xla_us"]
 
 
@@ -86,7 +92,7 @@ def table_for(library: Path, folder: Path, kernel: Callable, xla: Callable) -> d
 
 @functools.cache
 def _table(library: Path, folder: Path, kernel: Callable, xla: Callable) -> dict:
-    path = folder / (library.name + ".choice.json")
+    path = folder / f"{library.name}.choice{TABLE_VERSION}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -110,16 +116,20 @@ def outside_any_trace(run: Callable[[], dict]) -> dict:
 
 
 def measure(kernel: Callable, xla: Callable) -> dict:
-    """Each form at each of ROWS, through the kernel and through XLA, in microseconds per product: the two timed in
-    turn, SWEEPS times over, each keeping its fastest (a busy spell of the machine slows both, and only adds)."""
+    """Each form at each of ROWS, through the kernel and through XLA, in microseconds per product, [K, N] and (for
+    TRANSPOSED_FORMS) [N, K]: the two timed in turn, SWEEPS times over, each keeping its fastest (a busy spell of
+    the machine slows both, and only adds)."""
     rng = np.random.default_rng(0)
     result = {}
-    for form in FORMS:
-        weight = timed_weight(form, rng)
-        result[form] = {}
+    timed = [(form, False) for form in FORMS] + [(form, True) for form in TRANSPOSED_FORMS]
+    for form, transposed in timed:
+        weight = timed_weight(form, rng, transposed)
+        key = form + (TRANSPOSED_KEY if transposed else "")
+        result[key] = {}
         for rows in ROWS:
             x = jnp.asarray(rng.normal(size=(rows, SHAPE[0])), jnp.float32)
-            calls = [jax.jit(functools.partial(f, EQUATION)) for f in (kernel, xla)]
+            equation = TRANSPOSED if transposed else EQUATION
+            calls = [jax.jit(functools.partial(f, equation)) for f in (kernel, xla)]
             for call in calls:
                 jax.block_until_ready(call(x, weight))
             best = [float("inf")] * 2
@@ -128,5 +138,5 @@ def measure(kernel: Callable, xla: Callable) -> dict:
                     start = time.perf_counter()
                     jax.block_until_ready([call(x, weight) for _ in range(CALLS)])
                     best[i] = min(best[i], (time.perf_counter() - start) / CALLS)
-            result[form][str(rows)] = {"kernel_us": round(best[0] * 1e6, 1), "xla_us": round(best[1] * 1e6, 1)}
+            result[key][str(rows)] = {"kernel_us": round(best[0] * 1e6, 1), "xla_us": round(best[1] * 1e6, 1)}
     return result

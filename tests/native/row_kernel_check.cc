@@ -6,6 +6,7 @@
 // bfloat16 activations: each product within a float32 tolerance of a double-precision sum, and each row's bits the
 // same alone, in every pass of 2 to 9 and 17 rows, and with the columns split at another place. Attention: each
 // query within tolerance of a double-precision softmax, and the same bits in a block of one as in a block of three.
+// Every float16 value (the blocks' scales) converted as the scalar reference does.
 // Prints the level the code was built for ("isa avx2"), one line per failure, and the number of checks.
 
 #include <cmath>
@@ -40,6 +41,22 @@ uint16_t to_half(float f) {  // a float16 value for f in [2^-14, 2): exponent an
   std::memcpy(&bits, &f, sizeof bits);
   const int exponent = static_cast<int>((bits >> 23) & 0xFF) - 127 + 15;
   return static_cast<uint16_t>(((bits >> 16) & 0x8000) | (exponent << 10) | ((bits >> 13) & 0x3FF));
+}
+
+// Every float16 value through the level's vector conversion (scales and mins of GGUF's blocks) against the exact
+// scalar one: the same bits (any NaN for a NaN: hardware conversions quiet a signalling one).
+void check_halves() {
+  std::vector<uint16_t> all(65536);
+  for (int h = 0; h < 65536; ++h) all[h] = static_cast<uint16_t>(h);
+  for (int h = 0; h < 65536; h += kLanes) {
+    const Vec v = load_halves(all.data() + h);
+    for (int i = 0; i < kLanes; ++i) {
+      const float want = half_to_float(all[h + i]), got = v[i];
+      const bool same = std::isnan(want) ? std::isnan(got) : std::memcmp(&want, &got, sizeof want) == 0;
+      expect(same, "float16 " + std::to_string(h + i) + ": " + std::to_string(got) + " against " +
+                       std::to_string(want));
+    }
+  }
 }
 
 struct Case {
@@ -267,6 +284,7 @@ int main() {
   check_product<float, U4>(c, seed++);
   check_product<uint16_t, U4>(c, seed++);
   for (int64_t H : {32, 64, 128}) check_attention(H, seed++);
+  check_halves();
   std::printf("%d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

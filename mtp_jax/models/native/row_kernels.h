@@ -68,6 +68,33 @@ constexpr int kMaxHeadDim = 128;     // the decode attention's head dimension, a
 struct U4 {};  // the element type of a packed 4-bit weight (two values to a byte)
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+template <typename T>
+inline Lanes widen(const T* p) {  // kLanes consecutive integers, one a lane
+  Lanes v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+}
+inline Vec as_floats(Lanes bits) {
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+// float16 bits (one a lane) -> float32, exact, in lane-wise integer steps the compiler keeps in vectors: normal
+// values rebiased, subnormals as mantissa * 2^-24 (a normal float32: exact whatever the denormal mode), infinities
+// and NaNs with their mantissa.
+inline Vec halves_as_floats(Lanes h) {
+  const Lanes sign = (h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  const Lanes normal = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  const Lanes special = sign | 0x7F800000 | (mantissa << 13);
+  const Vec subnormal = __builtin_convertvector(mantissa, Vec) * (1.0f / 16777216.0f);
+  Lanes small;
+  std::memcpy(&small, &subnormal, sizeof small);
+  small |= sign;
+  const Lanes zero_exponent = exponent == 0, top_exponent = exponent == 31;  // -1 where true
+  return as_floats((small & zero_exponent) | (special & top_exponent) | (normal & ~(zero_exponent | top_exponent)));
+}
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t bf16) {
@@ -164,6 +191,15 @@ inline Vec load(const int8_t* p) {
   const int8x8_t bytes = vreinterpret_s8_s32(vdup_n_s32(four));
   return (Vec)vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(bytes))));
 }
+#else  // generic: lane-wise integer vectors the compiler maps onto the target's registers
+template <>
+inline Vec load(const uint16_t* p) {
+  return as_floats(widen(p) << 16);
+}
+template <>
+inline Vec load(const int8_t* p) {
+  return __builtin_convertvector(widen(p), Vec);
+}
 #endif
 
 template <typename W>
@@ -193,9 +229,11 @@ inline Vec load_nibbles(const uint8_t* p) {  // kLanes consecutive 4-bit values 
   return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
 #endif
 #else
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>((p[i / 2] >> (4 * (i % 2))) & 15);
-  return v;
+  Lanes bytes;
+  for (int i = 0; i < kLanes; ++i) bytes[i] = p[i / 2];
+  Lanes shift;
+  for (int i = 0; i < kLanes; ++i) shift[i] = 4 * (i % 2);
+  return __builtin_convertvector((bytes >> shift) & 15, Vec);
 #endif
 }
 
@@ -209,9 +247,7 @@ inline Vec load_halves(const uint16_t* p) {  // kLanes consecutive float16 value
 #elif defined(__ARM_NEON)
   return (Vec)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 #else
-  Vec v;
-  for (int i = 0; i < kLanes; ++i) v[i] = half_to_float(p[i]);
-  return v;
+  return halves_as_floats(widen(p));
 #endif
 }
 
@@ -286,10 +322,9 @@ inline void load_nibble_pairs(const uint8_t* p, Vec& even, Vec& odd) {
   even = (Vec)_mm_cvtepi32_ps(_mm_and_si128(bytes, _mm_set1_epi32(15)));
   odd = (Vec)_mm_cvtepi32_ps(_mm_srli_epi32(bytes, 4));
 #else
-  for (int i = 0; i < kLanes; ++i) {
-    even[i] = static_cast<float>(p[i] & 15);
-    odd[i] = static_cast<float>(p[i] >> 4);
-  }
+  const Lanes bytes = widen(p);
+  even = __builtin_convertvector(bytes & 15, Vec);
+  odd = __builtin_convertvector(bytes >> 4, Vec);
 #endif
 }
 
@@ -312,6 +347,11 @@ inline void block_pairs(const Blocks& q, const void* p, int64_t i, int count, Ve
     const __m128 first = (__m128)q.vector(p, i, kLanes), second = (__m128)q.vector(p, i + kLanes, kLanes);
     even = (Vec)_mm_shuffle_ps(first, second, 0x88);
     odd = (Vec)_mm_shuffle_ps(first, second, 0xDD);
+    return;
+#else
+    const Vec first = q.vector(p, i, kLanes), second = q.vector(p, i + kLanes, kLanes);
+    even = __builtin_shuffle(first, second, Lanes{0, 2, 4, 6});
+    odd = __builtin_shuffle(first, second, Lanes{1, 3, 5, 7});
     return;
 #endif
   }
@@ -542,8 +582,6 @@ void blocked_column_block(const X* x, int64_t K, Weights<W> w, int64_t N, int64_
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < width; ++c) out[r * N + n0 + c] = acc[r][c / kLanes][c % kLanes];
 }
-
-typedef int32_t Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline float tree_sum(Vec v) {  // lanes added pairwise in a fixed tree: i + kLanes / 2, ..., then i + 1
 #if defined(ROWS_AVX512)
