@@ -6,7 +6,12 @@ from mtp_jax import (
 )
 from mtp_jax.checkpoint import load, load_model
 from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
-from mtp_jax.models import cpu_attention, cpu_rows, fixed_tiles  # noqa: F401  (kernels register: models/dispatch.py)
+from mtp_jax.models import (  # noqa: F401  (kernels register: models/dispatch.py)
+    cpu_attention,
+    cpu_rows,
+    fixed_tiles,
+    routed_kernel,
+)
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative import GenerateOutput, generate, generate_chunks

@@ -2,8 +2,12 @@
 drafting that pays on the device it runs on, and one line saying what was chosen and why.
 
 - No MTP head: plain decoding.
-- An accelerator: DEFAULT_DRAFTS["other"] drafts a round. A verify pass of a few rows there is a read of the
-  weights, about one plain step (docs/benchmarks.md), so each accepted draft is a step saved.
+- An accelerator, a dense model: DEFAULT_DRAFTS["other"] drafts a round. A verify pass of a few rows there is a
+  read of the weights, about one plain step (docs/benchmarks.md), so each accepted draft is a step saved.
+- An accelerator, a mixture of experts: a verify pass of B (k + 1) rows routes to more distinct experts than a
+  plain step's B rows, and reads them (models/routed_kernel.py), so a round can cost well over a plain step
+  (routed_floor.py; `plan` reports the ratio): its rounds are timed and chosen as on a CPU, up to
+  DEFAULT_DRAFTS["other"] drafts.
 - A CPU: a verify pass costs more than a plain step in proportion to its rows (the row kernel's sums are compute,
   not only reads), by how much depends on the CPU's ISA level, its cores and the model. So rounds of k = 0 ..
   DEFAULT_DRAFTS["cpu"] drafts are timed here on the decode's own first prompts (`RoundTimer.fixed_rounds`, the
@@ -60,16 +64,17 @@ def choose(model, prompt_ids, prompt_lens, invariant: bool = False, max_draft: i
     if not model.config.has_mtp:
         return Drafting(0, False, None, "plain decoding: the model has no MTP head")
     platform = jax.default_backend()
-    if platform != "cpu":
+    if platform != "cpu" and model.config.moe is None:
         k = max_draft or DEFAULT_DRAFTS["other"]
         kind = "adaptive drafting, up to" if adaptive else "drafting"
         return Drafting(k, adaptive, None, f"{kind} {k} a round: on {platform} a verify pass costs about a plain step")
-    k = max_draft or DEFAULT_DRAFTS["cpu"]
+    k = max_draft or DEFAULT_DRAFTS["cpu" if platform == "cpu" else "other"]
+    here = "this CPU" if platform == "cpu" else f"this {platform.upper()} (a mixture of experts: a round's cost timed)"
     if adaptive:
         costs, when = measured(model, prompt_ids, prompt_lens, k, invariant, "adaptive")
         shown = ", ".join(f"{c:.2f}" for c in costs["costs"])
         return Drafting(k, True, tuple(costs["costs"]), f"adaptive drafting, up to {k} a round: rounds with "
-                        f"0..{k} drafts cost {shown} plain steps on this CPU ({when})")  # fmt: skip
+                        f"0..{k} drafts cost {shown} plain steps on {here} ({when})")  # fmt: skip
     found, when = measured(model, prompt_ids, prompt_lens, k, invariant, "fixed")
     costs, rates = np.asarray(found["costs"]), acceptance(found["judged"], found["accepted"])
     value = np.asarray(expected_tokens(rates)) / costs  # tokens per plain step's time, k = 0..max
@@ -78,9 +83,9 @@ def choose(model, prompt_ids, prompt_lens, invariant: bool = False, max_draft: i
     judged = ", ".join(f"{a}/{j}" for a, j in zip(found["accepted"], found["judged"], strict=True))
     facts = f"rounds of 0..{k} drafts cost {shown} plain steps, the head's drafts accepted {judged} ({when})"
     if best == 0 or value[best] < 1.0 + MARGIN:
-        return Drafting(0, False, None, f"plain decoding: on this CPU no draft count pays ({facts})")
+        return Drafting(0, False, None, f"plain decoding: on {here} no draft count pays ({facts})")
     return Drafting(best, False, None, f"{best} draft(s) a round, {value[best]:.2f}x plain's tokens per unit of "
-                    f"time expected on this CPU ({facts})")  # fmt: skip
+                    f"time expected on {here} ({facts})")  # fmt: skip
 
 
 def acceptance(judged, accepted) -> np.ndarray:
@@ -103,8 +108,8 @@ def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, ki
     path = costs_path()
     known = _read(path)
     if key in known:
-        return known[key], "measured on this CPU earlier"
-    print(f"mtp_jax: timing this CPU's decode rounds once (batch {batch}, 0..{max_draft} drafts), to choose the "
+        return known[key], "measured here earlier"
+    print(f"mtp_jax: timing this device's decode rounds once (batch {batch}, 0..{max_draft} drafts), to choose the "
           "default drafting", file=sys.stderr)  # fmt: skip
     timer = RoundTimer(model, prompt_ids, prompt_lens, TIMED_TOKENS, invariant=invariant, iterations=ITERATIONS,
                        repeats=2)  # fmt: skip
@@ -141,6 +146,7 @@ def _costs_key(model, batch_size: int, max_draft: int, invariant: bool, kind: st
         repr(model.config),
         repr(leaves),
         cpu_rows.level(),
+        jax.devices()[0].device_kind,
         " ".join(kernel_build.flags()),
         jax.__version__,
         str(os.cpu_count()),

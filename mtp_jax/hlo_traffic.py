@@ -13,6 +13,10 @@ and 1.03 GiB per chip). Here each top-level instruction of a computation that ru
   - anything else (matmuls, custom calls, collectives, sorts): every operand and the result;
   - on TPU, an operand or result in on-chip memory (memory space `S(1)`, e.g. weights an async slice prefetched):
     nothing more;
+  - the routed-experts kernel (models/routed_kernel.py), whose reads of the expert stacks depend on the routing at
+    run time: its small operands and result, plus the experts it fetches per call times an expert's bytes in
+    each stack: `routed_reads(rows, local experts, slots)` where the caller knows the routing's model
+    (routed_floor.expected_experts), else every slot (an upper bound);
   - shape-only instructions (parameters, tuples, bitcasts, async done halves, the loop and call wrappers, TPU's
     `ConcatBitcast` of slices already fetched): nothing.
 A conditional counts its costliest branch (one runs: an upper bound).
@@ -24,6 +28,7 @@ A conditional counts its costliest branch (one runs: an upper bound).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from mtp_jax.hlo_text import (
     INSTRUCTION,
@@ -48,13 +53,19 @@ _UPDATE_OPERAND = {"dynamic-update-slice": 1, "scatter": 2}
 _TYPED_ARRAY = re.compile(r"([a-z][a-z0-9]*\[[0-9,]*\])(\{[^}]*\})?")  # an array type and its layout
 
 
-def hbm_bytes(hlo: str, loop: str | None = None) -> int:
+ROUTED_KERNEL = "mtp_jax_routed_experts"  # models/routed_kernel.KERNEL_NAME: its custom calls' names start so
+ROUTED_SMALL_OPERANDS = 5  # layer, used experts, count, x [M, D], mix [U, M, 1]; then the stacks [L, E, ...]
+RoutedReads = Callable[[int, int, int], float]  # (rows, local experts, slots) -> experts fetched per call
+
+
+def hbm_bytes(hlo: str, loop: str | None = None, routed_reads: RoutedReads | None = None) -> int:
     """Bytes the program in `hlo` (compiled HLO text) reads and writes per execution (see the module doc); with
-    `loop`, per iteration of its loop of that name (`hlo_text.named_loop`: a decode loop after what it prepares)."""
+    `loop`, per iteration of its loop of that name (`hlo_text.named_loop`: a decode loop after what it prepares).
+    `routed_reads`: the experts the routed-experts kernel fetches per call (None: every slot)."""
     bodies, entry = computations(hlo)
     tables = {name: _parse(lines) for name, lines in bodies.items()}
     types = {name: result for table in tables.values() for name, (result, _, _, _) in table.items()}
-    count = _Traffic(bodies, tables, types)
+    count = _Traffic(bodies, tables, types, routed_reads)
     roots = named_loop(bodies, entry, loop) if loop is not None else (entry,)
     return sum(count.bytes_of(root) for root in roots)
 
@@ -63,8 +74,8 @@ class _Traffic:
     """Bytes of one execution of a computation, with everything it runs: loop bodies times their trip counts, one
     conditional branch (the costliest) per conditional; fused and wrapped computations are their instruction's."""
 
-    def __init__(self, bodies: dict[str, list[str]], tables: dict, types: dict):
-        self.bodies, self.tables, self.types = bodies, tables, types
+    def __init__(self, bodies: dict[str, list[str]], tables: dict, types: dict, routed_reads: RoutedReads | None):
+        self.bodies, self.tables, self.types, self.routed_reads = bodies, tables, types, routed_reads
         self.inner = _inner_computations(tables)
         self.memo: dict[str, int] = {}
 
@@ -80,7 +91,10 @@ class _Traffic:
             if not match:
                 continue
             result, op, operands, rest = table[match.group(1)]
-            total += _instruction_bytes(result, op, operands, rest, self.types, self.tables)
+            if op == "custom-call" and match.group(1).startswith(ROUTED_KERNEL):
+                total += _routed_kernel_bytes(result, operands, self.types, self.routed_reads)
+            else:
+                total += _instruction_bytes(result, op, operands, rest, self.types, self.tables)
             called = [c for c in callees(line) if c in self.bodies and c not in self.inner]
             if op == "conditional" and called:  # one branch runs: the costliest bounds it
                 total += max(self.bytes_of(c, depth + 1) for c in called)
@@ -141,6 +155,25 @@ def _instruction_bytes(result: str, op: str, operands: list[str], rest: str, typ
         if fused is not None:
             return _fusion_bytes(fused, operands, types, tables)
     return _hbm(result) + sum(_hbm(types.get(o, "")) for o in operands)
+
+
+def _dims(array_type: str) -> list[int]:
+    match = re.search(r"\[([0-9,]*)\]", array_type)
+    return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+def _routed_kernel_bytes(result: str, operands: list[str], types: dict, routed_reads: RoutedReads | None) -> int:
+    """One call of the routed-experts kernel: its small operands and result whole, and of each stack [L, E, ...]
+    the experts it fetches (see the module doc)."""
+    small, stacks = operands[:ROUTED_SMALL_OPERANDS], operands[ROUTED_SMALL_OPERANDS:]
+    rows = _dims(types.get(small[3], ""))[0]
+    slots = _dims(types.get(small[4], ""))[0]
+    total = _hbm(result) + sum(_hbm(types.get(o, "")) for o in small)
+    for name in stacks:
+        layers, local, *_ = _dims(types[name])
+        fetched = slots if routed_reads is None else routed_reads(rows, local, slots)
+        total += fetched * _hbm(types[name]) / (layers * local)
+    return int(total)
 
 
 def _async_copy_bytes(result: str) -> int:

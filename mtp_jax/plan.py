@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax import planning, shapes, sharding, speculative, topology
+from mtp_jax import planning, routed_floor, shapes, sharding, speculative, topology
 from mtp_jax.config import LAYER_LAYOUTS, WEIGHT_FORMATS
 from mtp_jax.decode import check_output_path, positive_int
 from mtp_jax.errors import OneLineParser, UserError, exit_process, run_cli
@@ -171,6 +171,15 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
     steps = {key: {**vars(cost), "projected_ms": planning.projected_ms(cost, target)} for key, cost in costs.items()}
     floor = planning.plain_step_floor(model, plain_state)
     steps["plain_step"] |= {"floor_bytes": floor, "hbm_over_floor": steps["plain_step"]["hbm_bytes"] / floor}
+    for key, step_state, drafts in (("plain_step", plain_state, 0), ("mtp_round", state, k)):
+        if key in steps:
+            cache = planning.shard_bytes(step_state.cache) + (
+                planning.shard_bytes(step_state.mtp_cache) if drafts else 0
+            )
+            routed = routed_floor.routed_floor_bytes(model, cache, work.batch, drafts)
+            steps[key] |= {"routed_floor_bytes": routed, "hbm_over_routed_floor": steps[key]["hbm_bytes"] / routed}
+    if k:
+        steps["mtp_round"]["over_plain_step"] = steps["mtp_round"]["projected_ms"] / steps["plain_step"]["projected_ms"]
     acceptance, source = acceptance_for(args, cfg)
     per_round = planning.tokens_per_round(acceptance, k)
     plain_ms = steps["plain_step"]["projected_ms"]
@@ -241,8 +250,9 @@ def number(x, digits: int = 0) -> str:
 def markdown(plans: list[dict]) -> str:
     lines = [
         "| model | topology | mesh | params GiB/chip | cache GiB/chip | other temp GiB/chip | total / capacity GiB "
-        "| fits | collectives per round (largest) | plain ms | MTP ms | plain tok/s | MTP tok/s | HBM / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fits | collectives per round (largest) | plain ms | MTP ms | plain tok/s | MTP tok/s | HBM / floor "
+        "| plain / routed floor | MTP / routed floor | MTP round / plain step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in plans:
         mem, tps = p["per_chip_bytes"], p["projected_tokens_per_second"]
@@ -254,7 +264,9 @@ def markdown(plans: list[dict]) -> str:
             f"{gib(mem['total'])} / {gib(mem['capacity'])}", "yes" if p["fits"] else "no",
             f"{sum(c['count'] for c in rounds)}{largest}", number(p["plain_step"]["projected_ms"], 2),
             number(p.get("mtp_round", {}).get("projected_ms"), 2), number(tps["plain"]), number(tps["mtp"]),
-            number(p["plain_step"]["hbm_over_floor"], 2),
+            number(p["plain_step"]["hbm_over_floor"], 2), number(p["plain_step"]["hbm_over_routed_floor"], 2),
+            number(p.get("mtp_round", {}).get("hbm_over_routed_floor"), 2),
+            number(p.get("mtp_round", {}).get("over_plain_step"), 2),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -34,6 +34,7 @@ from mtp_jax.hlo_traffic import hbm_bytes
 from mtp_jax.models import loops
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform
 from mtp_jax.quant import quantize_model
+from mtp_jax.routed_floor import expected_experts
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.topology import Target
 
@@ -229,7 +230,17 @@ def round_cost(
         if n > b:  # one more repeat of segment i: what each of its layers adds
             total += (n - b) * (flops(tuple(r + (j == i) for j, r in enumerate(base))) - at_base)
     moved = sum(c.moved_bytes for c in collectives(hlo, speculative.DECODE_LOOP))
-    return RoundCost(hbm_bytes=float(hbm_bytes(hlo, speculative.DECODE_LOOP)), flops=total, ici_bytes=float(moved))
+    traffic = hbm_bytes(hlo, speculative.DECODE_LOOP, routed_reads(cfg))
+    return RoundCost(hbm_bytes=float(traffic), flops=total, ici_bytes=float(moved))
+
+
+def routed_reads(cfg: ModelConfig):
+    """The experts the routed-experts kernel fetches per call under uniform routing (the used ones:
+    `routed_floor.expected_experts`, at most its slots), for `hlo_traffic`; None for a dense model."""
+    moe = cfg.moe
+    if moe is None:
+        return None
+    return lambda rows, local, slots: min(slots, expected_experts(rows, moe.experts_per_token, moe.num_experts, local))
 
 
 def plain_step_floor(model: CausalLM, state) -> int:

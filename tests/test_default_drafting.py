@@ -49,7 +49,27 @@ def test_measured_once_per_key(model, monkeypatch, tmp_path):
     assert when.startswith("measured now") and len(found["costs"]) == 2 and len(found["judged"]) == 1
     assert found["costs"][0] == 1.0 and found["costs"][1] >= 1.0 and 0 <= found["accepted"][0] <= found["judged"][0]
     assert found["judged"][0] == default_drafting.ITERATIONS  # one row, a draft judged every round
-    assert default_drafting.measured(model, IDS, LENS, 1, False, "fixed") == (found, "measured on this CPU earlier")
+    assert default_drafting.measured(model, IDS, LENS, 1, False, "fixed") == (found, "measured here earlier")
     adaptive, when = default_drafting.measured(model, IDS, LENS, 1, False, "adaptive")  # another key
     assert when.startswith("measured now") and len(adaptive["costs"]) == 2
     assert default_drafting.costs_path().is_file()
+
+
+def test_an_accelerator_times_rounds_of_a_mixture_of_experts_only(model, monkeypatch):
+    """On an accelerator a dense model drafts DEFAULT_DRAFTS["other"] a round untimed (a verify pass costs about a
+    plain step there); a mixture of experts has its rounds timed (a verify pass routes to more experts), and a
+    round costing too much for its acceptance gets plain decoding."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    asked = []
+
+    def measured(*args):
+        asked.append(args[3])
+        return {"costs": [1.0, 1.9, 2.8, 3.7], "judged": [96] * 3, "accepted": [64, 60, 58]}, "measured earlier"
+
+    monkeypatch.setattr(default_drafting, "measured", measured)
+    dense = default_drafting.choose(model, IDS, LENS)
+    assert dense.num_draft == default_drafting.DEFAULT_DRAFTS["other"] and asked == []
+    moe = CausalLM(shapes.SHAPES["deepseek-v3-tiny"](), rngs=nnx.Rngs(0))
+    chosen = default_drafting.choose(moe, IDS, LENS)
+    assert asked == [default_drafting.DEFAULT_DRAFTS["other"]]
+    assert chosen.num_draft == 0 and "GPU (a mixture of experts" in chosen.reason

@@ -345,6 +345,28 @@ def test_small_moe_passes_read_stacked_expert_weights_in_place(monkeypatch):
     assert expert_copies()
 
 
+def test_a_plain_step_reads_only_the_routed_experts_through_the_kernel():
+    """Compiled for TPU (Mosaic), a plain step at batch 1 runs each MoE layer's experts as one routed-experts kernel
+    call over the whole stacks: its traffic counts (hlo_traffic) grow by an expert's bytes per fetched expert and
+    layer, and nothing else in the step depends on how many are fetched (no copy of an expert stack)."""
+    target = topology.resolve("v5p:2x2x1")
+    rules = sharding.ShardingRules(sharding.make_mesh("data=1,expert=4,model=1", target.devices))
+    work = planning.Workload(batch=1, prompt_len=16, max_new_tokens=32, num_draft=0)
+    cfg = wide_moe("deepseek")
+    model = planning.abstract_model(cfg, jnp.bfloat16, rules, layout="stacked")
+    state = planning.start_state(model, work, 0)
+    hlo = planning.round_program(model, work, 0, state, planning.compile_round(model, work, 0, state))
+    bodies, runs = hlo_text.loop_runs(hlo, speculative.DECODE_LOOP)
+    calls = [line for name, lines in bodies.items() if runs[name] for line in lines if "mtp_jax_routed_experts" in line]
+    assert calls, "the plain step runs no routed-experts kernel"
+    layers = cfg.num_layers - cfg.moe.first_dense_layers
+    expert = 3 * cfg.hidden_size * cfg.moe.expert_intermediate_size * 2  # gate, up, down of one expert, bfloat16
+    fetched = lambda n: hlo_traffic.hbm_bytes(hlo, speculative.DECODE_LOOP, lambda rows, local, slots: n)
+    assert fetched(3) - fetched(1) == pytest.approx(2 * layers * expert, rel=1e-6)
+    every_slot = hlo_traffic.hbm_bytes(hlo, speculative.DECODE_LOOP)  # no routing model: every slot (4 picks)
+    assert every_slot == pytest.approx(fetched(4), rel=1e-6)
+
+
 def test_unstacked_layers_never_copy_the_whole_latent_cache_stack(monkeypatch):
     """DeepSeek-V3's latent attention (128 heads, latent 512) over 4 unstacked MoE layers, its cache split over its
     slots on the 32 chips of v5p:4x4x2 (data=1,expert=8,model=4; 4096 new tokens): no instruction of a plain step

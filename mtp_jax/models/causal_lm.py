@@ -24,7 +24,7 @@ from mtp_jax.models.cache_attention import layer_entries
 from mtp_jax.models.hybrid_stack import GroupStack
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.models.rowwise import project
-from mtp_jax.models.stacked_weights import layer_parameters, split_stack
+from mtp_jax.models.stacked_weights import layer_parameters, split_stack, stack_split_of
 from mtp_jax.quant import hold_float8_as_bits, is_quantized, take_columns, take_quantized_rows, take_rows
 from mtp_jax.sharding import HIDDEN, LOGITS, constrain, param_layouts
 
@@ -73,7 +73,8 @@ class LayerStack(nnx.Module):
             x, new = loops.each_layer(run, x, list(self.layers))
         else:
             graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
-            whole, sliced = split_stack(stacked) if dispatch.current().reads_stacks_in_place else (None, stacked)
+            keep, experts_only = stack_split_of(dispatch.current())
+            whole, sliced = split_stack(stacked, experts_only) if keep else (None, stacked)
             step = lambda x, inputs: run(nnx.merge(graphdef, layer_parameters(whole, *inputs)), x, inputs[1])
             x, new = loops.scan(step, x, (sliced, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
         # One scatter per cache array after the stack: slot (row, position) of every layer gets this block's entry.

@@ -5,7 +5,9 @@ kernel is not split by XLA's partitioner), whether a batch-invariant decode is t
 it. It is built once per trace (`tracing`, entered by `speculative` and `invariance` around what they trace) and
 read by every product: `project` walks the registered implementations in their order and takes the first that
 accepts (the product's equation, operands and the Numerics); XLA's own form (models/rowwise.py) takes the rest.
-Attention the same (`attend`): a registered kernel, or None for XLA's forms.
+Attention the same (`attend`): a registered kernel, or None for XLA's forms. A small pass's routed experts the same
+(`experts_implementation`): a registered form that reads only the experts the pass uses, or None for every expert
+on every row (models/moe.py).
 
 Kernels register themselves when imported (models/cpu_rows.py: the CPU row kernel and, from the same library, the
 decode attention of models/cpu_attention.py; models/fixed_tiles.py: a GPU's fixed tiles); the models import only
@@ -41,6 +43,7 @@ class Numerics:
     invariant: bool
     kernels: tuple[str, ...]
     stack_readers: tuple[str, ...] = ()  # of those, the ones that read a layer's weight in its stack
+    expert_stack_readers: tuple[str, ...] = ()  # of those, the ones that read a layer's experts in their stack
 
     def has(self, kernel: str) -> bool:
         """Whether `kernel` may run a custom call in this program: available, and on one device."""
@@ -52,11 +55,18 @@ class Numerics:
         reads a layer's weight where it lies in the stack (XLA copies a slice at a traced offset)."""
         return any(self.has(kernel) for kernel in self.stack_readers)
 
+    @property
+    def reads_expert_stacks_in_place(self) -> bool:
+        """Whether a layer stack's routed-expert weights reach the MoE layers whole: a kernel here reads a layer's
+        experts where they lie (it runs inside the experts' `shard_map`, so on any number of devices)."""
+        return any(kernel in self.kernels for kernel in self.expert_stack_readers)
+
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-    """A way to run products (`run(equation, x, weight, out_dtype)`) or attention (`run(...)`, the operands of
-    `cache_attention.grouped_attention`), taken where `accepts(numerics, ...)` says yes."""
+    """A way to run products (`run(equation, x, weight, out_dtype)`), attention (`run(...)`, the operands of
+    `cache_attention.grouped_attention`) or a small pass's routed experts (`run(x, weights, ids, layer, gate, up,
+    down)`, models/routed_kernel.py), taken where `accepts(numerics, ...)` says yes."""
 
     name: str
     accepts: Callable[..., bool]
@@ -65,24 +75,30 @@ class Implementation:
 
 _PRODUCTS: list[Implementation] = []
 _ATTENTION: list[Implementation] = []
+_EXPERTS: list[Implementation] = []
 _AVAILABLE: dict[str, Callable[[str], bool]] = {}  # kernel name -> whether it is available on a platform
 _STACK_READERS: set[str] = set()  # kernels that read a layer's weight in place from its stack
+_EXPERT_STACK_READERS: set[str] = set()  # kernels that read a layer's routed experts in place from their stack
 _ORDER: dict[str, int] = {}  # kernel name -> its place among the implementations (lowest tried first)
 _CURRENT: contextvars.ContextVar[Numerics | None] = contextvars.ContextVar("mtp_jax_numerics", default=None)
 
 
 def register_kernel(name: str, available: Callable[[str], bool], products: Implementation | None = None,
                     attention: Implementation | None = None, reads_stacks: bool = False,
+                    experts: Implementation | None = None, reads_expert_stacks: bool = False,
                     order: int = 0) -> None:  # fmt: skip
-    """Register a kernel: `available(platform)` says whether it can run there (built and loaded); its product and
-    attention implementations, tried by `order` (lowest first; the order of registration among equals) before
-    XLA's forms; `reads_stacks`: its products read a layer's weight in place from its stack. Registering a name
-    again replaces it (a module reloaded)."""
+    """Register a kernel: `available(platform)` says whether it can run there (built and loaded); its product,
+    attention and routed-experts implementations, tried by `order` (lowest first; the order of registration among
+    equals) before XLA's forms; `reads_stacks`: its products read a layer's weight in place from its stack;
+    `reads_expert_stacks`: its experts form reads a layer's experts so. Registering a name again replaces it (a
+    module reloaded)."""
     _AVAILABLE[name] = available
     _ORDER[name] = order
     if reads_stacks:
         _STACK_READERS.add(name)
-    for registry, implementation in ((_PRODUCTS, products), (_ATTENTION, attention)):
+    if reads_expert_stacks:
+        _EXPERT_STACK_READERS.add(name)
+    for registry, implementation in ((_PRODUCTS, products), (_ATTENTION, attention), (_EXPERTS, experts)):
         registry[:] = [i for i in registry if i.name != name]
         if implementation is not None:
             registry.append(dataclasses.replace(implementation, name=name))
@@ -94,7 +110,8 @@ def here(invariant: bool = False) -> Numerics:
     platform = active_platform()
     available = sorted(name for name, check in _AVAILABLE.items() if check(platform))
     readers = tuple(name for name in available if name in _STACK_READERS)
-    return Numerics(platform, one_device_active(), invariant, tuple(available), readers)
+    expert_readers = tuple(name for name in available if name in _EXPERT_STACK_READERS)
+    return Numerics(platform, one_device_active(), invariant, tuple(available), readers, expert_readers)
 
 
 @contextlib.contextmanager
@@ -124,6 +141,16 @@ def attention_implementation(q: jax.Array, past_k: Any, shards: int, whole_pass:
     (XLA's forms). `whole_pass`: the batch-invariant form asks for every pass, prefills included."""
     numerics = current()
     return next((i for i in _ATTENTION if i.accepts(numerics, q, past_k, shards, whole_pass)), None)
+
+
+def experts_implementation(x: jax.Array, ids: jax.Array, gate: Any, up: Any, down: Any,
+                           manual: bool) -> Implementation | None:  # fmt: skip
+    """The first registered routed-experts form that accepts this small pass now (rows x [M, D], local expert ids
+    [M, O], the expert stacks [L, E, ...]), or None (every expert on every row). `manual`: the pass runs on one
+    device or inside the experts' shard_map (a custom call is not split by XLA's partitioner)."""
+    numerics = current()
+    found = (i for i in _EXPERTS if i.name in numerics.kernels and i.accepts(numerics, x, ids, gate, up, down, manual))
+    return next(found, None)
 
 
 def registered_product(name: str) -> Implementation | None:

@@ -22,7 +22,7 @@ from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import checked_attention, layer_entries
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
 from mtp_jax.models.layers import DecoderLayer, model_norm
-from mtp_jax.models.stacked_weights import layer_parameters, split_stack
+from mtp_jax.models.stacked_weights import layer_parameters, split_stack, stack_split_of
 from mtp_jax.sharding import HIDDEN, constrain
 
 RECURRENT_FORMS = ("chunked", "every_state", "last_state")
@@ -139,7 +139,8 @@ class GroupStack(nnx.Module):
             split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
             graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
             merged = lambda params: tuple(nnx.merge(g, p) for g, p in zip(graphdefs, params, strict=True))
-            whole, sliced = split_stack(stacked) if dispatch.current().reads_stacks_in_place else (None, stacked)
+            keep, experts_only = stack_split_of(dispatch.current())
+            whole, sliced = split_stack(stacked, experts_only) if keep else (None, stacked)
             step = lambda x, inputs: run(merged(layer_parameters(whole, inputs[0], inputs[2])), x, *inputs[1:])
             x, new = loops.scan(step, x, (sliced, states, jnp.arange(self.repeats)))
         # new: DeltaNet states [R, B, ...]; attention entries [R, B, T, K, H]

@@ -4,10 +4,12 @@ Routing: sigmoid scores; the correction bias shifts which experts are picked but
 in the `topk_groups` best groups compete (a group scores the sum of its two best). In a large pass (a prefill) experts
 run only on the rows routed to them: the (token, pick) rows are sorted by expert and each projection is one grouped
 matmul (`jax.lax.ragged_dot`, group sizes = rows per expert); the outputs are put back in token order and summed
-with their routing weights. A small pass (a decode step or a verify block, at most DENSE_EXPERT_ROWS rows) runs
-every expert on every row and weights each output by the row's routing (zero for experts it did not pick): reading
-the weights costs it as much time as the extra flops, and plain dots read a stacked layer's weights where they
-lie. Batch-invariant decoding (DecodeConfig.invariant) runs every pass that way, a large one in tiles of
+with their routing weights. A small pass (a decode step or a verify block, at most DENSE_EXPERT_ROWS rows) reads
+only the experts its rows use where the kernel dispatch has a form for it (models/routed_kernel.py: on a TPU a
+Pallas kernel reading each used expert where it lies in the layer stack, elsewhere XLA's gather of the used
+experts where that copy costs less than reading them all); otherwise it runs every expert on every row and weights
+each output by the row's routing (zero for experts it did not pick): plain dots that read a stacked layer's weights
+where they lie. Batch-invariant decoding (DecodeConfig.invariant) runs every pass that way, a large one in tiles of
 DENSE_EXPERT_ROWS rows: a row's sums then never depend on how many rows came with it (a prefill pays E / O times
 the routed experts' flops for it). Shared experts (a plain SwiGLU) see every token.
 
@@ -32,12 +34,13 @@ from jax.sharding import PartitionSpec
 
 from mtp_jax import sharding
 from mtp_jax.config import ModelConfig
+from mtp_jax.models import dispatch
 from mtp_jax.models.layers import SwiGLU, init_weight
 from mtp_jax.models.rowwise import project, row_sum
-from mtp_jax.models.stacked_weights import layer_value
+from mtp_jax.models.stacked_weights import EXPERT_STACKS, StackedWeight, layer_value
 from mtp_jax.quant import QuantizedArray, dense
 
-EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")  # [E, D, F], [E, D, F], [E, F, D]
+EXPERT_WEIGHTS = EXPERT_STACKS  # [E, D, F], [E, D, F], [E, F, D]
 EXPERT_AXES = {  # the routed experts' logical axes, declared where MoE and SoftmaxMoE create them
     "expert_gate": ("experts", "embed", "expert_mlp"),
     "expert_up": ("experts", "embed", "expert_mlp"),
@@ -60,18 +63,27 @@ def routed_experts(
     first: jax.Array | int = 0,
     down_dtype=None,
     invariant: bool = False,
+    manual: bool = False,
 ) -> jax.Array:
     """Routed outputs [M, D] float32 of x [M, D] through the experts gate, up [E, D, F] and down [E, F, D], which
     hold the global expert ids first .. first + E - 1: a (token, pick) row picking another expert contributes zero.
+    Each weight may be a StackedWeight (a layer of a scanned stack, kept whole for a kernel that reads it in place).
 
     weights, experts [M, O]: routing weights and global expert ids. `down_dtype`: the grouped matmuls' down
     projection output type (None: x's; float32 where the F of these experts is a slice and the caller adds the
-    partial outputs). `invariant`: every pass through every expert (`_every_expert_in_tiles`).
+    partial outputs). `invariant`: every pass through every expert (`_every_expert_in_tiles`). `manual`: on one
+    device or inside the experts' shard_map (a kernel's custom call may run).
     """
     picks, local = experts.shape[1], gate.shape[0]
     ids = experts - first  # [M, O] local expert ids
     if x.shape[0] <= DENSE_EXPERT_ROWS:
+        stacks, layer = _as_stacks((gate, up, down))
+        routed = dispatch.experts_implementation(x, ids, *stacks, manual)
+        if routed is not None:
+            return routed.run(x, weights, ids, layer, *stacks)
+        gate, up, down = (layer_value(w) for w in (gate, up, down))
         return _every_expert(x, weights, ids, gate, up, down)
+    gate, up, down = (layer_value(w) for w in (gate, up, down))
     if invariant:
         return _every_expert_in_tiles(x, weights, ids, gate, up, down)
     gate, up, down = (dense(w) for w in (gate, up, down))  # a prefill's grouped matmuls take the weights in x's dtype
@@ -85,6 +97,15 @@ def routed_experts(
     out = jnp.zeros_like(out).at[order].set(out).reshape(experts.shape + out.shape[-1:])  # [M, O, D]
     out = jnp.where(mine[..., None], out, 0)  # rows past the groups: ragged_dot leaves them unspecified
     return jnp.einsum("MOD,MO->MD", out.astype(jnp.float32), weights)
+
+
+def _as_stacks(params: tuple) -> tuple[tuple, jax.Array]:
+    """((gate, up, down) as stacks [L, E, ...], the layer index): a StackedWeight's stack and layer, else the
+    weight as a stack of one."""
+    if all(isinstance(w, StackedWeight) for w in params):
+        return tuple(w.stack for w in params), params[0].layer
+    params = tuple(layer_value(w) for w in params)
+    return tuple(jax.tree.map(lambda a: a[None], w) for w in params), jnp.zeros((), jnp.int32)
 
 
 def _every_expert(x, weights, ids, gate, up, down) -> jax.Array:
@@ -155,6 +176,17 @@ def _quantized_spec(
     return dataclasses.replace(weight, values=spec, scales=scales, mins=mins)  # its static fields kept
 
 
+def _stacked_spec(spec, weight):
+    """The shard_map spec of a StackedWeight whose layer lies as `spec` (a PartitionSpec, or a QuantizedArray of
+    them): its stack's leading layer axis whole, its layer index replicated; anything else: `spec`."""
+    if not isinstance(weight, StackedWeight):
+        return spec
+    stacked = jax.tree.map(
+        lambda part: PartitionSpec(None, *part), spec, is_leaf=lambda a: isinstance(a, PartitionSpec)
+    )
+    return StackedWeight(stacked, PartitionSpec())
+
+
 class MoE(nnx.Module):
     """Sigmoid-routed experts with group-limited top-k, plus `num_shared_experts` always-on experts."""
 
@@ -194,14 +226,17 @@ class MoE(nnx.Module):
         """Routed outputs [B, T, D] of x [B, T, D] (routing weights, expert ids [B, T, O]): each (token, pick) row
         goes through its own expert only; where the rules split the expert weights, on the shards holding it.
         `invariant`: the batch-invariant form (`routed_experts`)."""
-        # quantized weights as stored
-        params = tuple(layer_value(getattr(self, name).get_value()) for name in EXPERT_WEIGHTS)
+        # quantized weights as stored; a StackedWeight where the layer scan kept the expert stacks whole
+        params = tuple(getattr(self, name).get_value() for name in EXPERT_WEIGHTS)
+        if not dispatch.current().reads_expert_stacks_in_place:
+            params = tuple(layer_value(w) for w in params)
         rules = sharding.active_rules()
-        plan = None if rules is None else _expert_parallel(rules, params, x.shape)
+        layers = tuple(w.layer_shapes() if isinstance(w, StackedWeight) else w for w in params)
+        plan = None if rules is None else _expert_parallel(rules, layers, x.shape)
         if plan is None:
             d, o = x.shape[-1], experts.shape[-1]
             flat = (x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o))
-            out = routed_experts(*flat, *params, invariant=invariant)
+            out = routed_experts(*flat, *params, invariant=invariant, manual=dispatch.current().one_device)
             return out.astype(x.dtype).reshape(x.shape)
         rows, specs, expert_axes, split = plan
 
@@ -209,10 +244,15 @@ class MoE(nnx.Module):
             d, o = x.shape[-1], experts.shape[-1]
             first = jax.lax.axis_index(expert_axes) * gate.shape[0] if expert_axes else 0
             flat = (x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o))
-            out = routed_experts(*flat, gate, up, down, first, jnp.float32, invariant)  # [b * T, D] partial sums
-            return jax.lax.psum(out, split).astype(x.dtype).reshape(x.shape)
+            out = routed_experts(*flat, gate, up, down, first, jnp.float32, invariant, manual=True)  # [b * T, D]
+            return jax.lax.psum(out, split).astype(x.dtype).reshape(x.shape)  # the partial sums added
 
-        run = jax.shard_map(shard, mesh=rules.mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows)
+        specs = tuple(_stacked_spec(spec, w) for spec, w in zip(specs, params, strict=True))
+        # check_vma off: a Pallas kernel's output (models/routed_kernel.py) carries no varying-axes type; the psum
+        # adds partial sums that differ on every shard either way
+        run = jax.shard_map(
+            shard, mesh=rules.mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows, check_vma=False
+        )
         return run(x, weights, experts, *params)
 
     def __call__(self, x: jax.Array, invariant: bool = False) -> jax.Array:  # [B, T, D] -> [B, T, D]

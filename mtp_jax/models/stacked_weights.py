@@ -6,7 +6,8 @@ layer's weights out of the stack, every layer of every step (eight 4096 x 4096 4
 sliced, 5.3 ms read in place; docs/benchmarks.md). Where the kernel will read the weights, a scan instead keeps
 the matmul weights whole (loop-invariant operands) and hands its layers a `StackedWeight`: the stack and the
 layer's index. `rowwise.project` gives both to the kernel, which starts its read at that layer; every other reader
-takes the layer's slice (`take`), the same values the scan would have sliced.
+takes the layer's slice (`take`), the same values the scan would have sliced. A kernel that reads only a layer's
+routed experts in place (models/routed_kernel.py) has only those kept whole.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.quant import QuantizedArray
+
+EXPERT_STACKS = ("expert_gate", "expert_up", "expert_down")  # models/moe.py's routed experts' parameter names
 
 
 @jax.tree_util.register_dataclass
@@ -67,12 +70,27 @@ def _kept_whole(leaf) -> bool:
     return leaf.ndim >= 3 and jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
-def split_stack(stacked):
+def split_stack(stacked, experts_only: bool = False):
     """stacked parameters (every leaf [L, ...]) -> (the matmul weights, kept whole; the rest, for the scan to
-    slice): two trees of the input's structure, None where a leaf went to the other one."""
-    whole = jax.tree.map(lambda a: a if _kept_whole(a) else None, stacked, is_leaf=_is_weight)
-    rest = jax.tree.map(lambda a: None if _kept_whole(a) else a, stacked, is_leaf=_is_weight)
+    slice): two trees of the input's structure, None where a leaf went to the other one. `experts_only`: only the
+    routed experts' weights kept whole (`EXPERT_STACKS`, for a kernel that reads only those in place)."""
+
+    def kept(path, leaf) -> bool:
+        if experts_only:
+            return any(getattr(key, "key", None) in EXPERT_STACKS for key in path)
+        return _kept_whole(leaf)
+
+    whole = jax.tree_util.tree_map_with_path(lambda p, a: a if kept(p, a) else None, stacked, is_leaf=_is_weight)
+    rest = jax.tree_util.tree_map_with_path(lambda p, a: None if kept(p, a) else a, stacked, is_leaf=_is_weight)
     return whole, rest
+
+
+def stack_split_of(numerics) -> tuple[bool, bool]:
+    """(whether a layer scan keeps weights whole, whether only the routed experts') under `numerics`
+    (models/dispatch.py)."""
+    if numerics.reads_stacks_in_place:
+        return True, False
+    return numerics.reads_expert_stacks_in_place, True
 
 
 def layer_parameters(whole, sliced, layer: jax.Array):
