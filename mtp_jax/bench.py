@@ -229,6 +229,7 @@ def run(args) -> dict:
         for row, tokens in results:
             row["speedup_vs_plain"] = row["tokens_per_second"] / plain["tokens_per_second"]
             row["verify_over_plain"] = ratio(row.get("verify_ms"), plain.get("round_ms"))
+            row["round_over_plain"] = ratio(row.get("ms_per_round"), plain.get("ms_per_round"))  # a MoE's round price
             row["draft_step_over_plain"] = ratio(row.get("draft_ms"), plain.get("round_ms"), row["k"])
             row["ours_over_peer"] = row["tokens_per_second"] / peer_speed if peer_speed else None
             reference = plain_of_mode.get(row.get("invariant"), plain_tokens)  # plain decoding with the same numerics
@@ -384,10 +385,10 @@ def markdown(result: dict) -> str:
                      "plain step reads / its time, timed as a loop of plain rounds, over it)")  # fmt: skip
     lines += [
         "",
-        "| impl | batch | k | tokens/s | prefill ms | ms/round | draft ms | verify ms | verify/plain "
+        "| impl | batch | k | tokens/s | prefill ms | ms/round | round/plain | draft ms | verify ms | verify/plain "
         "| draft step/plain | mean accepted len | accept/pos | speedup vs plain | ours/transformers | same tokens "
         "| roofline | memory MB | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     number = lambda value, form: "-" if value is None else format(value, form)
     for r in result["rows"]:
@@ -401,7 +402,7 @@ def markdown(result: dict) -> str:
             per_pos += f"; rounds with 0..{r['k']} drafts: {used} ({r['rest_rounds']} of the 0 rests)"
         lines.append(
             f"| {impl} | {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | {number(r['prefill_ms'], '.1f')} "
-            f"| {number(r['ms_per_round'], '.1f')} "
+            f"| {number(r['ms_per_round'], '.1f')} | {number(r.get('round_over_plain'), '.2f')} "
             f"| {number(r.get('draft_ms'), '.2f')} | {number(r.get('verify_ms'), '.2f')} "
             f"| {number(r.get('verify_over_plain'), '.2f')} | {number(r.get('draft_step_over_plain'), '.2f')} "
             f"| {r['mean_accepted_length']:.2f} | {per_pos} | {r['speedup_vs_plain']:.2f}x "

@@ -78,7 +78,7 @@ def routed_experts(
     ids = experts - first  # [M, O] local expert ids
     if x.shape[0] <= DENSE_EXPERT_ROWS:
         stacks, layer = _as_stacks((gate, up, down))
-        routed = dispatch.experts_implementation(x, ids, *stacks, manual)
+        routed = None if invariant else dispatch.experts_implementation(x, ids, *stacks, manual)
         if routed is not None:
             return routed.run(x, weights, ids, layer, *stacks)
         gate, up, down = (layer_value(w) for w in (gate, up, down))

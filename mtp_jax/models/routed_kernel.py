@@ -94,7 +94,7 @@ def _values(w):
     return w.values if isinstance(w, QuantizedArray) else w
 
 
-def kernel_tile(x: jax.Array, gate, up, down) -> int | None:
+def kernel_tile(gate, up, down) -> int | None:
     """The F tile the kernel would run with for these operands (stacks [L, E, ...]), or None where it cannot."""
     if not all(supports(w) for w in (gate, up, down)):
         return None
@@ -175,7 +175,7 @@ def routed_experts_kernel(
     rows, d = x.shape
     local, f = gate.shape[1], gate.shape[-1]
     slots = slots_for(rows, ids.shape[1], local)
-    tile = kernel_tile(x, gate, up, down)
+    tile = kernel_tile(gate, up, down)
     if tile is None:
         raise ValueError("routed_experts_kernel: these expert weights are not ones the kernel reads (supports)")
     used, count = used_experts(ids, local, slots)
@@ -234,7 +234,7 @@ GATHER_COPY_FACTOR = 3  # the gathered form reads the used experts, writes their
 
 
 def _pallas_accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool) -> bool:
-    return manual and not numerics.invariant and kernel_tile(x, gate, up, down) is not None
+    return manual and not numerics.invariant and kernel_tile(gate, up, down) is not None
 
 
 def _pallas_run(x, weights, ids, layer, gate, up, down) -> jax.Array:
