@@ -259,5 +259,6 @@ dispatch.register_kernel(
     GATHER,
     lambda platform: platform in ("cpu", "gpu"),
     experts=dispatch.Implementation(GATHER, _gather_accepts, gathered_experts),
+    reads_expert_stacks=True,  # gathers the used experts straight out of the whole stack, not out of a layer's copy
     order=1,
 )
