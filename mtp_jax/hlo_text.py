@@ -32,6 +32,12 @@ def array_bytes(text: str) -> int:
     return int(total)
 
 
+def array_dims(text: str) -> list[int]:
+    """The dimensions of the first array type in `text`, e.g. `bf16[2,3]{1,0}` -> [2, 3] (none: [])."""
+    match = _ARRAY.search(text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
 def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     """{computation name: its instruction lines} and the ENTRY computation's name. A computation starts with an
     unindented header line ending in `{` and ends with an unindented `}`."""

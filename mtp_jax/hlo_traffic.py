@@ -34,12 +34,14 @@ from mtp_jax.hlo_text import (
     INSTRUCTION,
     OPERAND,
     array_bytes,
+    array_dims,
     callees,
     computations,
     instructions,
     named_loop,
     trip_count,
 )
+from mtp_jax.models.routed_kernel import KERNEL_NAME  # its custom calls' names start so
 
 _FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional", "after-all",
@@ -53,7 +55,6 @@ _UPDATE_OPERAND = {"dynamic-update-slice": 1, "scatter": 2}
 _TYPED_ARRAY = re.compile(r"([a-z][a-z0-9]*\[[0-9,]*\])(\{[^}]*\})?")  # an array type and its layout
 
 
-ROUTED_KERNEL = "mtp_jax_routed_experts"  # models/routed_kernel.KERNEL_NAME: its custom calls' names start so
 ROUTED_SMALL_OPERANDS = 5  # layer, used experts, count, x [M, D], mix [U, M, 1]; then the stacks [L, E, ...]
 RoutedReads = Callable[[int, int, int], float]  # (rows, local experts, slots) -> experts fetched per call
 
@@ -91,7 +92,7 @@ class _Traffic:
             if not match:
                 continue
             result, op, operands, rest = table[match.group(1)]
-            if op == "custom-call" and match.group(1).startswith(ROUTED_KERNEL):
+            if op == "custom-call" and match.group(1).startswith(KERNEL_NAME):
                 total += _routed_kernel_bytes(result, operands, self.types, self.routed_reads)
             else:
                 total += _instruction_bytes(result, op, operands, rest, self.types, self.tables)
@@ -157,20 +158,15 @@ def _instruction_bytes(result: str, op: str, operands: list[str], rest: str, typ
     return _hbm(result) + sum(_hbm(types.get(o, "")) for o in operands)
 
 
-def _dims(array_type: str) -> list[int]:
-    match = re.search(r"\[([0-9,]*)\]", array_type)
-    return [int(d) for d in match.group(1).split(",") if d] if match else []
-
-
 def _routed_kernel_bytes(result: str, operands: list[str], types: dict, routed_reads: RoutedReads | None) -> int:
     """One call of the routed-experts kernel: its small operands and result whole, and of each stack [L, E, ...]
     the experts it fetches (see the module doc)."""
     small, stacks = operands[:ROUTED_SMALL_OPERANDS], operands[ROUTED_SMALL_OPERANDS:]
-    rows = _dims(types.get(small[3], ""))[0]
-    slots = _dims(types.get(small[4], ""))[0]
+    rows = array_dims(types.get(small[3], ""))[0]
+    slots = array_dims(types.get(small[4], ""))[0]
     total = _hbm(result) + sum(_hbm(types.get(o, "")) for o in small)
     for name in stacks:
-        layers, local, *_ = _dims(types[name])
+        layers, local, *_ = array_dims(types[name])
         fetched = slots if routed_reads is None else routed_reads(rows, local, slots)
         total += fetched * _hbm(types[name]) / (layers * local)
     return int(total)

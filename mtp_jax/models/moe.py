@@ -108,12 +108,17 @@ def _as_stacks(params: tuple) -> tuple[tuple, jax.Array]:
     return tuple(jax.tree.map(lambda a: a[None], w) for w in params), jnp.zeros((), jnp.int32)
 
 
+def routing_mix(weights: jax.Array, ids: jax.Array, local: int) -> jax.Array:
+    """[M, E] float32: what each row's picks (weights, local ids [M, O]) give each local expert (zero: not picked)."""
+    return jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, local, dtype=jnp.float32))
+
+
 def _every_expert(x, weights, ids, gate, up, down) -> jax.Array:
     """`routed_experts` for a small pass: every local expert on every row [M, D], each expert's hidden weighted by
     what the row's picks give that expert (zero where none picks it; ids [M, O] local, out of range for other
     shards), and all experts' down projections summed in one matmul over (expert, F)."""
     e, f, d = down.shape
-    mix = jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, e, dtype=jnp.float32))  # [M, E]
+    mix = routing_mix(weights, ids, e)  # [M, E]
     hidden = jax.nn.silu(project("MD,EDF->MEF", x, gate)) * project("MD,EDF->MEF", x, up)  # [M, E, F]
     mixed = (hidden * mix[..., None]).astype(hidden.dtype)  # [M, E, F]
     if isinstance(down, QuantizedArray):  # scales per expert and block: the products summed over E outside the dot

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mtp_jax.models import dispatch
+from mtp_jax.models.moe import routing_mix
 from mtp_jax.quant import QuantizedArray, dense
 
 KERNEL_NAME = "mtp_jax_routed_experts"  # in the compiled program's custom call (hlo_traffic counts its reads)
@@ -57,11 +58,6 @@ def used_experts(ids: jax.Array, local: int, slots: int) -> tuple[jax.Array, jax
     order = jnp.argsort(hits == 0, stable=True)[:slots].astype(jnp.int32)  # used experts first, by id
     last = order[jnp.maximum(count - 1, 0)]
     return jnp.where(jnp.arange(slots) < count, order, last), count
-
-
-def routing_mix(weights: jax.Array, ids: jax.Array, local: int) -> jax.Array:
-    """[M, E] float32: what each row's picks (weights, local ids [M, O]) give each local expert (zero: not picked)."""
-    return jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, local, dtype=jnp.float32))
 
 
 def supports(weight) -> bool:
