@@ -1,5 +1,5 @@
 """The install's one native step: the CPU row kernel built for this machine into the package
-(mtp_jax/models/kernel_build.py), so that a first run does not compile it. Everything else is in pyproject.toml.
+(mtp_jax/kernels/cpu/kernel_build.py), so that a first run does not compile it. Everything else is in pyproject.toml.
 A failed build does not fail the install: a run then builds the kernel itself, or decodes on XLA."""
 
 import importlib.util
@@ -9,11 +9,13 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-PACKAGE_NATIVE = Path("mtp_jax", "models", "native", "built")
+PACKAGE_NATIVE = Path("mtp_jax", "kernels", "cpu", "native", "built")
 
 
 def _kernel_build():
-    spec = importlib.util.spec_from_file_location("kernel_build", ROOT / "mtp_jax" / "models" / "kernel_build.py")
+    spec = importlib.util.spec_from_file_location(
+        "kernel_build", ROOT / "mtp_jax" / "kernels" / "cpu" / "kernel_build.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,4 +32,6 @@ class BuildRowKernel(build_ext):
         return []
 
 
-setup(ext_modules=[Extension("mtp_jax.models.native.row_matmul", sources=[])], cmdclass={"build_ext": BuildRowKernel})
+setup(
+    ext_modules=[Extension("mtp_jax.kernels.cpu.native.row_matmul", sources=[])], cmdclass={"build_ext": BuildRowKernel}
+)

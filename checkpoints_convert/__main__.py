@@ -1,15 +1,15 @@
-"""python -m checkpoints_convert SRC DST [--dtype bfloat16|float32] [--weights auto|bfloat16|int8|int4|fp8] [--overwrite]"""
+"""python -m checkpoints_convert SRC DST [--dtype bfloat16|float32] [--weights FORMAT] [--overwrite]"""
 
 from __future__ import annotations
 
 import argparse
 import time
 
-from mtp_jax.config import WEIGHT_FORMATS
 from mtp_jax.conversion.convert import config_of, convert_params, write_converted
 from mtp_jax.conversion.writer import check_destination
-from mtp_jax.errors import exit_process, run_cli
 from mtp_jax.params.open_source import open_source
+from mtp_jax.quant.formats import WEIGHT_FORMATS
+from mtp_jax.runtime.errors import exit_process, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto", help="how matmul weights are stored: "
                         "auto as the checkpoint ships them (fp8 with block scales stays fp8), bfloat16 in --dtype, "
-                        "int8 with per-channel scales, fp8 with 128 x 128 block scales (mtp_jax/quant.py)")  # fmt: skip
+                        "int8 with per-channel scales, fp8 with 128 x 128 block scales (mtp_jax/quant/)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     return parser
 

@@ -1,22 +1,19 @@
 """MTP self-speculative decoding in JAX/Flax."""
 
-from mtp_jax import (
-    flax_import,  # noqa: F401  (first: flax without IPython)
-    platforms,  # noqa: F401  (before any backend starts: no libtpu without a TPU)
-)
-from mtp_jax.checkpoint import load, load_model
-from mtp_jax.config import DecodeConfig, ModelConfig, MtpConfig, RopeConfig
-from mtp_jax.models import (  # noqa: F401  (kernels register: models/dispatch.py)
-    cpu_attention,
-    cpu_rows,
-    fixed_tiles,
-    routed_kernel,
-)
+# isort: off
+from mtp_jax.runtime import flax_import, platforms  # noqa: F401  (first: flax without IPython, no libtpu without a TPU)
+
+# isort: on
+from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.config.model import ModelConfig, MtpConfig, RopeConfig
+from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.speculative import GenerateOutput, generate, generate_chunks
+from mtp_jax.decode.text import TextOutput, TextResult, generate_text
+from mtp_jax.decode.text_stream import stream_text
+from mtp_jax.kernels import fixed_tiles, routed_kernel  # noqa: F401  (kernels register: ops/dispatch.py)
+from mtp_jax.kernels.cpu import cpu_attention, cpu_rows  # noqa: F401
+from mtp_jax.loading.checkpoint import load, load_model
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers
-from mtp_jax.sampling import SamplingParams
-from mtp_jax.speculative import GenerateOutput, generate, generate_chunks
-from mtp_jax.text import TextOutput, TextResult, generate_text
-from mtp_jax.text_stream import stream_text
 
 __all__ = [
     "CausalLM",

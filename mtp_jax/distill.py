@@ -1,116 +1,13 @@
-"""python -m mtp_jax.distill: self-distilled training data — the trunk's own responses to offline prompts.
+"""`python -m mtp_jax.distill`: self-distilled training data (the command: mtp_jax/cli/distill.py)."""
 
-Output JSONL, a line per prompt: {"token_ids": prompt + response, "prompt_len", "category", "prompt"}.
-Reproducible: the prompts come from `mtp_jax.data.prompt_builder` (seeded); decoding is greedy, or sampled at
---temperature with a random stream per prompt (from --seed and the prompt's index, so a prompt's answer does not
-depend on the batch it lands in).
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import sys
-import time
-
-import jax
-import numpy as np
-from tqdm import tqdm
-
-from mtp_jax import checkpoint, compile_cache
-from mtp_jax.config import DecodeConfig
-from mtp_jax.data.prompt_builder import build_prompts
-from mtp_jax.errors import UserError, exit_process, run_cli
-from mtp_jax.files import write_atomically
-from mtp_jax.hub import MODEL_HELP
-from mtp_jax.prompts import Prompt, bucket, encode_prompts, pad_batch
-from mtp_jax.speculative import generate
+from mtp_jax.cli.distill import main
+from mtp_jax.runtime.errors import exit_process
 
 
-def distill(
-    model,
-    tokenizer,
-    prompts: list[dict],
-    *,
-    max_new_tokens: int,
-    batch_size: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-) -> list[dict]:
-    """Plain-decoded (k = 0) responses to chat-templated prompts, as full token sequences: greedy, or sampled at
-    `temperature` with prompt i's stream from key(seed) folded with i."""
-    encoded = encode_prompts(
-        [p["prompt"] for p in prompts], tokenizer, chat=True, vocab_size=model.config.vocab_size,
-        context=model.config.max_position_embeddings,
-    )  # fmt: skip
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].token_ids))  # similar lengths batch together
-    cfg = DecodeConfig(num_draft=0, max_new_tokens=max_new_tokens, temperature=temperature)
-    root = jax.random.key(seed)
-    records: list[dict | None] = [None] * len(encoded)
-    for start in tqdm(range(0, len(order), batch_size), desc="distilling", unit="batch", file=sys.stderr):
-        batch: list[Prompt] = [encoded[i] for i in order[start : start + batch_size]]
-        ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch), minimum=32))
-        streams = [p.index for p in batch] + [len(encoded)] * (batch_size - len(batch))  # padding rows: a spare one
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(root, np.asarray(streams, np.uint32))  # [B]
-        out = generate(model, ids, lens, keys, cfg)
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-        for row, prompt in enumerate(batch):
-            response = tokens[row, : lengths[row]].tolist()
-            records[prompt.index] = {
-                "token_ids": list(prompt.token_ids) + response,
-                "prompt_len": len(prompt.token_ids),
-                "category": prompts[prompt.index].get("category", ""),
-                "prompt": prompts[prompt.index]["prompt"],
-            }
-    return records
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mtp_jax.distill", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help=f"{MODEL_HELP} (default: the default model)")
-    parser.add_argument("--out", required=True, help="output JSONL")
-    parser.add_argument("--num-prompts", type=int, default=1200)
-    parser.add_argument("--start", type=int, default=0, help="skip the first N prompts: extends a set made with "
-                        "--num-prompts N (a seed's prompt list does not depend on its length)")  # fmt: skip
-    parser.add_argument("--split", choices=("train", "eval"), default="train")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0, help="seeds the prompt list and, with --temperature, sampling")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled ones "
-                        "(sampled answers teach a head the text it drafts for under sampling)")  # fmt: skip
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"))
-    compile_cache.add_argument(parser)
-    return parser
-
-
-def run(args) -> int:
-
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 1:
-        raise UserError("--num-prompts, --max-new-tokens and --batch-size must be >= 1")
-    if not args.temperature >= 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 <= args.start < args.num_prompts:
-        raise UserError(f"--start must be in 0..{args.num_prompts - 1} (--num-prompts - 1)")
-    model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
-    if tokenizer is None:
-        raise UserError("the model has no tokenizer to apply the chat template with")
-    prompts = build_prompts(args.num_prompts, args.split, args.seed)[args.start :]
-    start = time.perf_counter()
-    records = distill(
-        model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        temperature=args.temperature, seed=args.seed,
-    )  # fmt: skip
-    write_atomically(args.out, "".join(json.dumps(r) + "\n" for r in records))
-    tokens = sum(len(r["token_ids"]) - r["prompt_len"] for r in records)
-    print(f"{len(records)} sequences, {tokens} response tokens in {time.perf_counter() - start:.0f}s", file=sys.stderr)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    with compile_cache.active(args.no_compile_cache):
-        return run_cli(run, args)
+def command() -> None:
+    """The command's process: its exit status, through `exit_process`."""
+    exit_process(main())
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    command()

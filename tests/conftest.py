@@ -15,17 +15,18 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # started or locked), and test workers may each load libtpu's compiler at once.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The command-line tools keep compiled programs in the user's cache folder; tests compile into no persistent cache
-# (tests/test_warm_start.py turns it on in a folder of its own).
+# (tests/loading/test_warm_start.py turns it on in a folder of its own).
 os.environ.setdefault("MTP_JAX_NO_COMPILE_CACHE", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# The CPU row kernel takes every product it can run: where it beat XLA's form is a timing (models/kernel_choice.py),
-# which under a busy test run and unoptimized compiles would say anything (tests/test_kernel_choice.py turns it on).
+# The CPU row kernel takes every product it can run: where it beat XLA's form is a timing
+# (kernels/cpu/kernel_choice.py), which under a busy test run and unoptimized compiles would say anything
+# (tests/kernels/test_kernel_choice.py turns it on).
 os.environ.setdefault("MTP_JAX_KERNEL_CHOICE", "0")
 
 import jax
 import pytest
 
-from mtp_jax.errors import UserError
+from mtp_jax.runtime.errors import UserError
 
 # XLA:CPU's older fusion emitters compile these programs in about 60% of the time the MLIR fusion emitters take
 # (tiny models' generate programs, plain and with drafts: 5.3-5.8 s against 8.5-8.8 s for four; the suite 825 s
@@ -50,8 +51,8 @@ def pytest_sessionstart(session):
     would each do both at once)."""
     if hasattr(session.config, "workerinput"):
         return
-    from mtp_jax.default_model import default_gguf_path
-    from mtp_jax.models import cpu_rows
+    from mtp_jax.kernels.cpu import cpu_rows
+    from mtp_jax.loading.default_model import default_gguf_path
 
     cpu_rows.status()  # a build failure is a status the tests read, not an error here
 
@@ -78,7 +79,7 @@ def release_compiled_programs():
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The default model's GGUF; CI must have it (its install step fetches it), elsewhere a missing copy skips."""
-    from mtp_jax.default_model import default_gguf_path
+    from mtp_jax.loading.default_model import default_gguf_path
 
     try:
         return default_gguf_path()
@@ -101,7 +102,7 @@ def hf_model(smollm2_path):
 @pytest.fixture(scope="session")
 def default_model(smollm2_path):
     """Our model and tokenizer of the default GGUF, float32."""
-    from mtp_jax import checkpoint
+    from mtp_jax.loading import checkpoint
 
     return checkpoint.load(smollm2_path, dtype="float32")
 

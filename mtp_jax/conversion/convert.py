@@ -17,9 +17,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.conversion.writer import write_folder
-from mtp_jax.errors import ConversionError
 from mtp_jax.families.base import Family
 from mtp_jax.families.registry import family_of, model_config_from_hf
 from mtp_jax.families.tables import (
@@ -30,13 +29,16 @@ from mtp_jax.families.tables import (
     mtp_layer_prefix,
     mtp_prefix,
 )
-from mtp_jax.models.causal_lm import model_param_axes
+from mtp_jax.models.causal_lm import model_param_matmuls
 from mtp_jax.params.fp8 import Fp8BlockSource, scale_index
 from mtp_jax.params.source import CheckpointSource
 from mtp_jax.params.stored_weights import split_quantized, stored_param, write_manifest
 from mtp_jax.params.transforms import WEIGHT_DTYPES, Target
 from mtp_jax.params.tree import CONFIG_FILE, PARAMS_DIR, REPORT_FILE, ParamPath, abstract_params, nest
-from mtp_jax.quant import fp8_blocks, matmul_axes
+from mtp_jax.quant.formats import stored_format
+from mtp_jax.quant.fp8 import fp8_blocks
+from mtp_jax.quant.matmul_axes import MatmulAxes
+from mtp_jax.runtime.errors import ConversionError
 
 
 def _layer_targets(
@@ -132,7 +134,7 @@ class ParamReader:
 
     tensors: (HF name, target) for every slot of the leading stacked axes (one entry, index (), when unstacked).
     fp8_blocks: for a parameter whose every tensor is stored fp8 with block scales, the per-axis sizes of the boxes
-    one of our scales covers (`mtp_jax.quant.fp8_blocks`, 1 on stacked axes); None otherwise.
+    one of our scales covers (`mtp_jax.quant.fp8.fp8_blocks`, 1 on stacked axes); None otherwise.
     """
 
     source: CheckpointSource
@@ -208,7 +210,7 @@ def param_readers(
     for name, targets in plan.targets.items():
         for target in targets:
             by_path.setdefault(target.path, []).append((name, target))
-    readers, layouts = {}, model_param_axes(cfg, dtype)
+    readers, matmuls = {}, model_param_matmuls(cfg, dtype)
     for path, spec in params.items():
         if path == ("draft_vocab",):
             continue
@@ -219,23 +221,25 @@ def param_readers(
                 raise ConversionError(f"shape mismatch for {name}: checkpoint has {got}, model expects {want}")
         # the model's dtype, except float32 router biases
         tensors = tuple(by_path[path])
-        blocks = _fp8_blocks(path, spec, layouts[path], tensors, source)
+        blocks = _fp8_blocks(path, spec, matmuls.get(path), tensors, source)
         readers[path] = ParamReader(source, tuple(spec.shape), np.dtype(spec.dtype), tensors, blocks)
     return readers, plan
 
 
-def _fp8_blocks(path: ParamPath, spec, layout, tensors, source: CheckpointSource) -> tuple[int, ...] | None:
-    """`ParamReader.fp8_blocks` of the parameter at `path`: its scale boxes where every tensor is stored fp8 and the
-    parameter is a matmul weight; None where none is. A matmul weight stored partly fp8, or an fp8 tensor where no
-    matmul weight is, is refused."""
+def _fp8_blocks(
+    path: ParamPath, spec, matmul: MatmulAxes | None, tensors, source: CheckpointSource
+) -> tuple[int, ...] | None:
+    """`ParamReader.fp8_blocks` of the parameter at `path` (declaring `matmul`): its scale boxes where every tensor
+    is stored fp8 and the parameter is a matmul weight fp8 stores (`--weights fp8`: not an embedding or lm_head);
+    None where none is. A matmul weight stored partly fp8, or an fp8 tensor where no such weight is, is refused."""
     quantized = [isinstance(source, Fp8BlockSource) and source.is_quantized(name) for name, _ in tensors]
     if not any(quantized):
         return None
-    axes = matmul_axes(path, layout)
-    if axes is None or not all(quantized):
-        where = "a parameter that is no matmul weight" if axes is None else "a weight whose other slots are not"
+    stored = stored_format(matmul, "fp8") is not None
+    if not stored or not all(quantized):
+        where = "a weight whose other slots are not" if stored else "a parameter that is no matmul weight"
         raise ConversionError(f"{tensors[quantized.index(True)][0]} is stored fp8 for {where} ({'/'.join(path)})")
-    return fp8_blocks(spec.shape, *axes, block=source.block)
+    return fp8_blocks(spec.shape, matmul.contracting, matmul.batched, block=source.block)
 
 
 def convert_params(
@@ -255,10 +259,10 @@ def convert_params(
     quantize), a quantized one as a `QuantizedArray` of NumPy arrays. Returns the flat parameters and the plan.
     """
     readers, plan = param_readers(source, cfg, dtype, only_mtp)
-    layouts = model_param_axes(cfg, dtype)
+    matmuls = model_param_matmuls(cfg, dtype)
     out = {}
     for path, reader in readers.items():
-        array = stored_param(path, reader, weights, layouts[path], dtype, on_tensor)
+        array = stored_param(reader, weights, matmuls.get(path), dtype, on_tensor)
         out[path] = place(path, array) if place is not None else array
     return out, plan
 
@@ -271,7 +275,7 @@ def write_converted(dst: str, cfg: ModelConfig, params: dict, tokenizer, report:
         with open(os.path.join(folder, CONFIG_FILE), "w") as f:
             f.write(cfg.to_json())
         flat, manifest = split_quantized(params)
-        import orbax.checkpoint as ocp  # 0.3 s of imports: only where a folder is written or read
+        import orbax.checkpoint as ocp  # heavy to import: only where a folder is written or read
 
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(os.path.join(folder, PARAMS_DIR), nest(flat))

@@ -12,12 +12,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.conversion.convert import candidate_targets
-from mtp_jax.errors import ConversionError
 from mtp_jax.families.registry import family_of
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.params.transforms import Linear
+from mtp_jax.runtime.errors import ConversionError
 
 
 def hf_tensors(model: CausalLM, only_mtp: bool = False) -> dict[str, np.ndarray]:

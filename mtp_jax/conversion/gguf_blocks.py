@@ -16,7 +16,8 @@ import numpy as np
 
 from mtp_jax.conversion.convert import ParamReader
 from mtp_jax.params.transforms import Linear, Reshape
-from mtp_jax.quant import INT4_BLOCK, QuantizedArray, axis_blocks
+from mtp_jax.quant.int4 import INT4_BLOCK
+from mtp_jax.quant.quantized_array import QuantizedArray, axis_blocks
 
 
 def _follows(transform, contracting: tuple[int, ...], ndim: int) -> bool:

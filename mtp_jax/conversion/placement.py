@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.conversion.convert import param_readers
 from mtp_jax.conversion.gguf_blocks import read_stored_blocks
-from mtp_jax.models.causal_lm import model_param_axes
-from mtp_jax.quant import SHIPPED_BLOCKS, QuantizedArray, stored_axes
-from mtp_jax.sharding import ShardingRules, place
+from mtp_jax.models.causal_lm import model_param_axes, model_param_matmuls
+from mtp_jax.parallel.sharding import ShardingRules, place
+from mtp_jax.quant.formats import SHIPPED_BLOCKS, stored_format
+from mtp_jax.quant.matmul_axes import MatmulAxes
+from mtp_jax.quant.quantized_array import QuantizedArray
 
 
 def read_params(
@@ -36,6 +38,7 @@ def read_params(
     followed through, found again by quantizing the values read in float32."""
     readers, _ = param_readers(source, cfg, dtype, only_mtp)
     layouts = model_param_axes(cfg, dtype)  # values and scales of a quantized weight laid out as the weight
+    matmuls = model_param_matmuls(cfg, dtype)
 
     def read(path, reader, part):
         shape = reader.part_shape(part)
@@ -45,7 +48,7 @@ def read_params(
 
     params = {}
     for path, reader in readers.items():
-        shipped = _shipped_blocks(source, path, reader, layouts[path]) if keep_blocks else None
+        shipped = _shipped_blocks(source, reader, matmuls.get(path)) if keep_blocks else None
         if keep_fp8 and reader.fp8_blocks is not None:
             params[path] = QuantizedArray(read(path, reader, "values"), read(path, reader, "scales"), jnp.dtype(dtype))
         elif shipped is not None:
@@ -62,14 +65,14 @@ def read_params(
     return params
 
 
-def _shipped_blocks(source, path, reader, layout):
-    """(quantizer, contracting axes) that hold the parameter at `path` as the GGUF `source` stores it, or None: a
-    matmul weight, embedding or lm_head whose every tensor is in one block format of `quant.SHIPPED_BLOCKS`."""
+def _shipped_blocks(source, reader, matmul: MatmulAxes | None):
+    """(quantizer, contracting axes) that hold the parameter `reader` reads, declaring `matmul`, as the GGUF `source`
+    stores it, or None: a weight int8 would store (a matmul weight, embedding or lm_head) whose every tensor is in one
+    block format of `quant.SHIPPED_BLOCKS`."""
     block_format = getattr(source, "block_format", None)
-    axes = stored_axes(path, layout, "int8")
-    if block_format is None or axes is None:
+    if block_format is None or stored_format(matmul, "int8") is None:
         return None
     formats = {block_format(name) for name, _ in reader.tensors}
     if len(formats) != 1 or None in formats:
         return None
-    return SHIPPED_BLOCKS[formats.pop()], axes[0]
+    return SHIPPED_BLOCKS[formats.pop()], matmul.contracting

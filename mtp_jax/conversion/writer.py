@@ -13,9 +13,9 @@ import shutil
 import sys
 from collections.abc import Callable
 
-from mtp_jax.errors import ConversionError
-from mtp_jax.files import nearest_existing_ancestor
 from mtp_jax.params.tree import CONFIG_FILE
+from mtp_jax.runtime.errors import ConversionError
+from mtp_jax.runtime.files import nearest_existing_ancestor
 
 # Beside DST, while a conversion runs: `.DST.partial-*`, the folder being written (it holds LOCK_FILE, locked by
 # its writer), and, where the file system cannot swap two folders in one step, `.DST.old-*`, the previous DST

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.families.tables import LayerEntry, standard_layer_table
 
 
@@ -23,7 +23,7 @@ class Family:
 
     model_types: the `model_type` values of its `config.json` files (wrappers included).
     model_config: config.json dict -> ModelConfig; refuses, with one line naming the field, what it does not handle.
-    tiny_configs: name -> a config.json dict at test size (tests/test_configs.py maps and decodes each).
+    tiny_configs: name -> a config.json dict at test size (tests/families/test_configs.py maps and decodes each).
     layer_table: (cfg, the checkpoint stores the experts fused) -> one decoder layer's key table.
     trunk_prefix: cfg -> the trunk's module prefix in tensor names (`model.`; a VLM wrapper's is deeper).
     ignored_prefixes: tensor-name prefixes this model never reads (a vision tower), with the reason.

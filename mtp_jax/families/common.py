@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import numbers
 
-from mtp_jax.config import ModelConfig, MoeConfig, MtpConfig, RopeConfig
-from mtp_jax.errors import ConversionError
+from mtp_jax.config.model import ModelConfig, MoeConfig, MtpConfig, RopeConfig
 from mtp_jax.params.fp8 import block_size
+from mtp_jax.runtime.errors import ConversionError
 
 # Keys that never change the forward pass of an inference-only decoder.
 HARMLESS_KEYS = frozenset(

@@ -9,10 +9,10 @@ MTP_FUSION["deepseek"]).
 
 from __future__ import annotations
 
-from mtp_jax.config import MlaConfig, ModelConfig, MtpConfig
-from mtp_jax.errors import ConversionError
+from mtp_jax.config.model import MlaConfig, ModelConfig, MtpConfig
 from mtp_jax.families.base import Family, register
 from mtp_jax.families.common import HANDLED_KEYS, check_common, eos_ids_from_hf, moe_from_hf, moe_to_hf, rope_from_hf
+from mtp_jax.runtime.errors import ConversionError
 
 MOE_KEYS = frozenset(
     {

@@ -8,7 +8,7 @@ embedding and head copies: the trunk's are used). Key names: the standard layer 
 
 from __future__ import annotations
 
-from mtp_jax.config import ModelConfig, MtpConfig
+from mtp_jax.config.model import ModelConfig, MtpConfig
 from mtp_jax.families.base import Family, register
 from mtp_jax.families.common import check_common, eos_ids_from_hf, gqa_shape, moe_from_hf, moe_to_hf, rope_from_hf
 from mtp_jax.families.deepseek_v3 import BASE_KEYS, MOE_KEYS

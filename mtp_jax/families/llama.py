@@ -4,7 +4,7 @@ and MLP biases, llama3 rotary scaling. Released checkpoints have no MTP layer; a
 
 from __future__ import annotations
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.families.base import Family, register
 from mtp_jax.families.common import DENSE_TINY, dense_model_config
 

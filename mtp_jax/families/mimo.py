@@ -4,7 +4,7 @@ MTP_FUSION["mimo"])."""
 
 from __future__ import annotations
 
-from mtp_jax.config import ModelConfig, MtpConfig
+from mtp_jax.config.model import ModelConfig, MtpConfig
 from mtp_jax.families.base import Family, register
 from mtp_jax.families.common import DENSE_TINY, dense_model_config
 

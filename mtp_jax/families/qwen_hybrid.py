@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 
-from mtp_jax.config import GatedDeltaNetConfig, ModelConfig, MoeConfig, MtpConfig
-from mtp_jax.errors import ConversionError
+from mtp_jax.config.model import GatedDeltaNetConfig, ModelConfig, MoeConfig, MtpConfig
 from mtp_jax.families import qwen_hybrid_layout as layout
 from mtp_jax.families.base import Family, register
 from mtp_jax.families.common import HANDLED_KEYS, check_common, eos_ids_from_hf, gqa_shape, rope_from_hf
 from mtp_jax.families.tables import LayerEntry
 from mtp_jax.params.transforms import COPY, DepthwiseConv, Linear, Part, Transposed
+from mtp_jax.runtime.errors import ConversionError
 
 VLM_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")  # text config under `text_config`, trunk under model.language_model.
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", *VLM_MODEL_TYPES)

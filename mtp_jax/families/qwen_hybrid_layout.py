@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtp_jax.config import GatedDeltaNetConfig
+from mtp_jax.config.model import GatedDeltaNetConfig
 
 
 def fused_qkvz(w: np.ndarray, cfg: GatedDeltaNetConfig) -> tuple[np.ndarray, np.ndarray]:

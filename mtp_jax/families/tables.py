@@ -7,7 +7,7 @@ layout (a layout may be used by several families: heads trained here are written
 
 from __future__ import annotations
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.params.transforms import COPY, FLAT, Linear, Transform
 
 LayerEntry = tuple[str, tuple[str, ...], Transform]  # (HF suffix under the layer's prefix, path under the layer, how)

@@ -3,13 +3,13 @@ itself, with one softmax over both.
 
 A cache is sized for the longest sequence a call may reach, so early in a long generation most of it is empty. A
 cache says how it is attended (its static `attention` field, one of ATTENTION_FORMS, chosen when it is made:
-mtp_jax.speculative.decode_attention for decoding). "chunked" (a cache of whole ATTENTION_CHUNK slots): attention
+mtp_jax.decode.speculative.decode_attention for decoding). "chunked" (a cache of whole ATTENTION_CHUNK slots): attention
 runs over it chunk by chunk with an online softmax (`attend_in_chunks`: grouped-query attention here, latent
 attention in mla.py) and skips every chunk past the slots any row can see: its cost follows the longest row's length,
 not the cache's size. "one_pass": one pass over all slots.
 
 On a mesh, a long cache whose head axis cannot take `model` (fewer kv heads than `model` shards, or MLA's latents with
-no head axis) is split over its slots instead (mtp_jax.sharding.ShardingRules.cache_spec): M shards of S/M slots,
+no head axis) is split over its slots instead (`ShardingRules.cache_spec`): M shards of S/M slots,
 whole chunks each. The chunked pass views it as [B, M, S/M, ...] and takes local chunk j of every shard at once, as
 M * B rows (row b of shard m at m * B + b: the per-row arithmetic is the unsharded one), each keeping its own running
 softmax, and merges the M partial softmaxes once at the end: the only reduction across shards, over [B, T, heads, ...].
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp_jax.models import loops
-from mtp_jax.models.dispatch import attention_implementation
-from mtp_jax.models.rowwise import attention_rows_exact, product, row_product, row_sum
-from mtp_jax.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
+from mtp_jax.ops import loops
+from mtp_jax.ops.dispatch import attention_implementation
+from mtp_jax.ops.rowwise import attention_rows_exact, product, row_product, row_sum
+from mtp_jax.parallel.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
 ATTENTION_FORMS = ("one_pass", "chunked", "invariant")  # how a cache is attended (module docstring)
@@ -74,7 +74,8 @@ def layer_entries(stacked: jax.Array, layer: jax.Array | int) -> jax.Array | Lay
     """Layer `layer`'s entries of a stacked cache array [L, B, S, ...]: read in place (LayerSlots) at a traced
     index (a layer scan's), sliced out at a Python one (unstacked layers). Compiled for TPU, unstacked layers that
     read the stack in place had XLA copy the whole stack into the layout attention reads, once per layer: the cache
-    bytes of a step grew with the square of the layer count (docs/benchmarks.md). The slice is one layer's."""
+    bytes of a step grew with the square of the layer count (measured, in docs/benchmarks-log.md: "fp8 on TPU at
+    full depth"). The slice is one layer's."""
     return stacked[layer] if isinstance(layer, int) else LayerSlots(stacked, layer)
 
 
@@ -164,7 +165,7 @@ def grouped_attention(
     over one split over its slots; "invariant": the batch-invariant form (`attend_written_cache`), which needs a
     cache of whole chunks on every shard. On a CPU with the row kernel, a decode step or verify block (at most
     `cpu_attention.DECODE_POSITIONS` positions a row) outside batch-invariant decoding is one kernel call
-    (models/cpu_attention.py, through models/dispatch.py); so is every pass under it."""
+    (kernels/cpu/cpu_attention.py, through ops/dispatch.py); so is every pass under it."""
     shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     xla_form = lambda: _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention, shards)
     kernel = None if attention == "invariant" else attention_implementation(q, past_k, shards, whole_pass=False)
@@ -209,7 +210,7 @@ def _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attenti
             written = lambda: attend_written_cache(attend_chunk, *rows, slots, shards, (rows[0].shape[0],
                                                    *q.shape[2:4], t), (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
             kernel = attention_implementation(q, past_k, shards, whole_pass=True)
-            if kernel is not None:  # one kernel call (models/cpu_attention.py)
+            if kernel is not None:  # one kernel call (kernels/cpu/cpu_attention.py)
                 fused = lambda: kernel.run(q, k, v, positions, past_k, past_v, visible_from)
                 out = jax.lax.platform_dependent(cpu=fused, default=written)
             else:
@@ -242,7 +243,7 @@ def two_rows(x: jax.Array) -> jax.Array:
 
 def whole_chunk_runs(slots: int, shards: int) -> jax.Array:
     """[M] the first slot of each of the `shards` runs of a cache that the batch-invariant form reads; an error
-    unless every run is whole chunks (mtp_jax.cache.cache_slots sizes invariant decodes so)."""
+    unless every run is whole chunks (mtp_jax.models.kv_cache.cache_slots sizes invariant decodes so)."""
     if slots % (shards * ATTENTION_CHUNK):
         raise ValueError(
             f"batch-invariant attention reads whole chunks of {ATTENTION_CHUNK} slots on each of {shards} shard(s); "

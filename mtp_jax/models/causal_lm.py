@@ -16,17 +16,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.cache import GroupCache, attention_cache, write_slots
-from mtp_jax.config import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
-from mtp_jax.models import dispatch, loops
+from mtp_jax.config.model import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import layer_entries
 from mtp_jax.models.hybrid_stack import GroupStack
+from mtp_jax.models.kv_cache import GroupCache, attention_cache, write_slots
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
-from mtp_jax.models.rowwise import project
-from mtp_jax.models.stacked_weights import layer_parameters, split_stack, stack_split_of
-from mtp_jax.quant import hold_float8_as_bits, is_quantized, take_columns, take_quantized_rows, take_rows
-from mtp_jax.sharding import HIDDEN, LOGITS, constrain, param_layouts
+from mtp_jax.ops import dispatch, loops
+from mtp_jax.ops.rowwise import project
+from mtp_jax.ops.stacked_weights import layer_parameters, split_stack, stack_split_of
+from mtp_jax.parallel.sharding import HIDDEN, LOGITS, constrain, param_layouts
+from mtp_jax.quant.fp8 import hold_float8_as_bits
+from mtp_jax.quant.matmul_axes import MatmulAxes, param_matmuls
+from mtp_jax.quant.quantized_array import is_quantized, take_columns, take_quantized_rows, take_rows
+
+# Embeddings [V, D] (a tied lm_head's product "...D,VD->...V" sums over D) and lm_heads [D, V] (summed over D): read
+# a vocabulary entry at a time too.
+EMBEDDING = MatmulAxes((1,), vocabulary=True)
+LM_HEAD = MatmulAxes((0,), vocabulary=True)
 
 
 class LayerStack(nnx.Module):
@@ -95,16 +102,15 @@ class MtpModule(nnx.Module):
         d, v = cfg.hidden_size, cfg.vocab_size
         self.token_norm = model_norm(cfg, d, dtype=dtype)
         self.hidden_norm = model_norm(cfg, d, dtype=dtype)
-        self.proj = nnx.Param(
-            init_weight(rngs, (2 * d, d), dtype, 2 * d), axes=(None, "embed")
-        )  # [2D, D]: fused [e, h]
+        fusion = init_weight(rngs, (2 * d, d), dtype, 2 * d)
+        self.proj = nnx.Param(fusion, axes=(None, "embed"), matmul=MatmulAxes((0,)))  # [2D, D]: fused [e, h]
         self.block = LayerStack(cfg, cfg.mtp.block_layers, kind=cfg.mtp_layer_kind, dtype=dtype, rngs=rngs)
         self.final_norm = model_norm(cfg, d, dtype=dtype)
         self.hidden_first = cfg.mtp.concat_hidden_first
         embed = init_weight(rngs, (v, d), dtype, 1) if cfg.mtp.own_embedding else None
         head = init_weight(rngs, (d, v), dtype, d) if cfg.mtp.own_head else None
-        self.embed = None if embed is None else nnx.Param(embed, axes=("vocab", "embed"))  # VD
-        self.head = None if head is None else nnx.Param(head, axes=("embed", "vocab"))  # DV
+        self.embed = None if embed is None else nnx.Param(embed, axes=("vocab", "embed"), matmul=EMBEDDING)  # VD
+        self.head = None if head is None else nnx.Param(head, axes=("embed", "vocab"), matmul=LM_HEAD)  # DV
 
     def __call__(
         self,
@@ -134,18 +140,18 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         self.config = cfg
         d, v = cfg.hidden_size, cfg.vocab_size
-        self.embed = nnx.Param(init_weight(rngs, (v, d), dtype, 1), axes=("vocab", "embed"))  # VD
+        self.embed = nnx.Param(init_weight(rngs, (v, d), dtype, 1), axes=("vocab", "embed"), matmul=EMBEDDING)  # VD
         self.segments = nnx.List([_segment_stack(cfg, s, dtype, rngs) for s in cfg.segments()])
         self.final_norm = model_norm(cfg, d, dtype=dtype)
         head = None if cfg.tie_word_embeddings else init_weight(rngs, (d, v), dtype, d)
-        self.lm_head = None if head is None else nnx.Param(head, axes=("embed", "vocab"))  # DV
+        self.lm_head = None if head is None else nnx.Param(head, axes=("embed", "vocab"), matmul=LM_HEAD)  # DV
         self.mtp = MtpModule(cfg, dtype=dtype, rngs=rngs) if cfg.has_mtp else None
         if cfg.has_mtp and cfg.mtp.draft_vocab_size:
             ids = jnp.arange(cfg.mtp.draft_vocab_size, dtype=jnp.int32)
             self.draft_vocab = nnx.Variable(ids, axes=(None,))  # [Vd]: a few thousand token ids, kept whole
         else:
             self.draft_vocab = None
-        self.sharding_rules = None  # mtp_jax.sharding.ShardingRules of a model placed on a mesh
+        self.sharding_rules = None  # mtp_jax.parallel.sharding.ShardingRules of a model placed on a mesh
 
     @property
     def dtype(self):
@@ -266,15 +272,22 @@ def model_param_axes(cfg: ModelConfig, dtype) -> dict[tuple[str, ...], tuple[str
     return param_layouts(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype)))
 
 
+def model_param_matmuls(cfg: ModelConfig, dtype) -> dict[tuple[str, ...], MatmulAxes]:
+    """Every matmul weight's `MatmulAxes` as its module declares them, over its whole array (`matmul_axes.param_matmul`:
+    stacked layers batched), by state path, for the model of `cfg`, without allocating it; a parameter that declares
+    none is absent."""
+    return param_matmuls(nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype)))
+
+
 def unstack_layers(model: CausalLM) -> CausalLM:
     """Give every layer of `model` (trunk and MTP block) parameter arrays of its own, in place; returns `model`.
 
     A scan over stacked layers slices each layer's weights out of the stack. Where the slice cannot be fused into
-    the op that reads it, XLA copies the layer's weights at every step: on GPU before the cuBLAS matmuls (measured on
-    an H200 at about half a MiMo-7B step), and on TPU before the routed experts' grouped matmul, a Mosaic kernel (the
-    copies made a DeepSeek-V3 plain step move 2.9x the bytes it reads). Unstacked, the layers are applied one by one
-    (unrolled: longer compiles) and every op reads the weights where they lie. Outputs are the same either way.
-    Needs about one more stack's worth of memory while it runs (each layer is copied out before the stack is freed).
+    the op that reads it, XLA copies the layer's weights at every step: on GPU before the cuBLAS matmuls, and on TPU
+    before the routed experts' grouped matmul, a Mosaic kernel (measured, in docs/benchmarks-log.md: "Real sizes on a
+    GPU" and "fp8 on TPU at full depth"). Unstacked, the layers are applied one by one (unrolled: longer compiles)
+    and every op reads the weights where they lie. Outputs are the same either way. Needs about one more stack's
+    worth of memory while it runs (each layer is copied out before the stack is freed).
     """
     for segment in model.segments:
         segment.unstack()

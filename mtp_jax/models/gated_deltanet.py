@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from mtp_jax.config import GatedDeltaNetConfig
-from mtp_jax.models import loops
+from mtp_jax.config.model import GatedDeltaNetConfig
 from mtp_jax.models.layers import init_weight
 from mtp_jax.models.norms import GatedRMSNorm
-from mtp_jax.models.rowwise import project, row_sum
+from mtp_jax.ops import loops
+from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.quant.matmul_axes import MatmulAxes
 
 CHUNK = 64  # tokens per chunk of the parallel form (as the HF reference)
 L2_EPS = 1e-6  # q/k L2 norm: x * rsqrt(sum(x^2) + eps)
@@ -206,16 +207,19 @@ class GatedDeltaNet(nnx.Module):
         self.cfg = cfg
         # the q, k, v channel projection is split like an MLP width (the short conv then gathers the step's
         # [B, T, C] channels, which the conv state and weight keep whole); the per-value-head ones over heads
-        self.in_proj_qkv = nnx.Param(init_weight(rngs, (d, c), dtype, d), axes=("embed", "mlp"))  # DC
-        self.in_proj_z = nnx.Param(init_weight(rngs, (d, n, y), dtype, d), axes=("embed", "heads", None))  # DNY
-        self.in_proj_b = nnx.Param(init_weight(rngs, (d, n), dtype, d), axes=("embed", "heads"))  # DN
-        self.in_proj_a = nnx.Param(init_weight(rngs, (d, n), dtype, d), axes=("embed", "heads"))  # DN
+        by_d = MatmulAxes((0,))  # products over D
+        self.in_proj_qkv = nnx.Param(init_weight(rngs, (d, c), dtype, d), axes=("embed", "mlp"), matmul=by_d)  # DC
+        z = init_weight(rngs, (d, n, y), dtype, d)
+        self.in_proj_z = nnx.Param(z, axes=("embed", "heads", None), matmul=by_d)  # DNY
+        self.in_proj_b = nnx.Param(init_weight(rngs, (d, n), dtype, d), axes=("embed", "heads"), matmul=by_d)  # DN
+        self.in_proj_a = nnx.Param(init_weight(rngs, (d, n), dtype, d), axes=("embed", "heads"), matmul=by_d)  # DN
         conv = init_weight(rngs, (cfg.conv_kernel, c), dtype, cfg.conv_kernel)
         self.conv = nnx.Param(conv, axes=(None, None))  # WC
         self.dt_bias = nnx.Param(jnp.ones((n,), dtype), axes=("heads",))  # [N]
         self.A_log = nnx.Param(jnp.zeros((n,), dtype), axes=("heads",))  # [N] decay rate log(A)
         self.norm = GatedRMSNorm(y, cfg.norm_eps, dtype=dtype)
-        self.out_proj = nnx.Param(init_weight(rngs, (n, y, d), dtype, n * y), axes=("heads", None, "embed"))  # NYD
+        out = init_weight(rngs, (n, y, d), dtype, n * y)
+        self.out_proj = nnx.Param(out, axes=("heads", None, "embed"), matmul=MatmulAxes((0, 1)))  # NYD: over N, Y
 
     def _rule_inputs(self, x: jax.Array, state: DeltaNetState):
         """x [B, T, D] -> (q, k, v, g, beta float32 as the delta rule takes them, z [B, T, N, Y], conv window)."""

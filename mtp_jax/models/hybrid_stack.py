@@ -15,15 +15,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.cache import GroupCache, KVCache, deltanet_states, write_slots
-from mtp_jax.config import LayerKind, ModelConfig
-from mtp_jax.models import dispatch, loops
+from mtp_jax.config.model import LayerKind, ModelConfig
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import checked_attention, layer_entries
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
+from mtp_jax.models.kv_cache import GroupCache, KVCache, deltanet_states, write_slots
 from mtp_jax.models.layers import DecoderLayer, model_norm
-from mtp_jax.models.stacked_weights import layer_parameters, split_stack, stack_split_of
-from mtp_jax.sharding import HIDDEN, constrain
+from mtp_jax.ops import dispatch, loops
+from mtp_jax.ops.stacked_weights import layer_parameters, split_stack, stack_split_of
+from mtp_jax.parallel.sharding import HIDDEN, constrain
 
 RECURRENT_FORMS = ("chunked", "every_state", "last_state")
 

@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.config import ModelConfig, RopeConfig
+from mtp_jax.config.model import ModelConfig, RopeConfig
 from mtp_jax.models.cache_attention import grouped_attention
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
-from mtp_jax.models.rowwise import project, row_sum
-from mtp_jax.sharding import HIDDEN, constrain
+from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.parallel.sharding import HIDDEN, constrain
+from mtp_jax.quant.matmul_axes import MatmulAxes
 
 
 def init_weight(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
@@ -115,11 +116,14 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, gated: bool = False):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         query, kv = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
-        self.q_proj = nnx.Param(init_weight(rngs, (d, n, h), dtype, d), axes=query)  # DNH
-        self.gate_proj = nnx.Param(init_weight(rngs, (d, n, h), dtype, d), axes=query) if gated else None  # DNH
-        self.k_proj = nnx.Param(init_weight(rngs, (d, k, h), dtype, d), axes=kv)  # DKH
-        self.v_proj = nnx.Param(init_weight(rngs, (d, k, h), dtype, d), axes=kv)  # DKH
-        self.o_proj = nnx.Param(init_weight(rngs, (n, h, d), dtype, n * h), axes=("heads", "head_dim", "embed"))  # NHD
+        by_d = MatmulAxes((0,))  # products over D
+        self.q_proj = nnx.Param(init_weight(rngs, (d, n, h), dtype, d), axes=query, matmul=by_d)  # DNH
+        gate = init_weight(rngs, (d, n, h), dtype, d) if gated else None
+        self.gate_proj = None if gate is None else nnx.Param(gate, axes=query, matmul=by_d)  # DNH
+        self.k_proj = nnx.Param(init_weight(rngs, (d, k, h), dtype, d), axes=kv, matmul=by_d)  # DKH
+        self.v_proj = nnx.Param(init_weight(rngs, (d, k, h), dtype, d), axes=kv, matmul=by_d)  # DKH
+        o = init_weight(rngs, (n, h, d), dtype, n * h)
+        self.o_proj = nnx.Param(o, axes=("heads", "head_dim", "embed"), matmul=MatmulAxes((0, 1)))  # NHD: over N, H
         self.has_qkv_bias = cfg.qkv_bias and not gated
         if self.has_qkv_bias:
             self.q_bias = nnx.Param(init_weight(rngs, (n, h), dtype, 1), axes=("heads", "head_dim"))  # NH
@@ -166,9 +170,10 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, width: int | None = None):
         d, f = cfg.hidden_size, width or cfg.intermediate_size
-        self.gate_proj = nnx.Param(init_weight(rngs, (d, f), dtype, d), axes=("embed", "mlp"))  # DF
-        self.up_proj = nnx.Param(init_weight(rngs, (d, f), dtype, d), axes=("embed", "mlp"))  # DF
-        self.down_proj = nnx.Param(init_weight(rngs, (f, d), dtype, f), axes=("mlp", "embed"))  # FD
+        by_first = MatmulAxes((0,))  # products over D (gate, up) and F (down)
+        self.gate_proj = nnx.Param(init_weight(rngs, (d, f), dtype, d), axes=("embed", "mlp"), matmul=by_first)  # DF
+        self.up_proj = nnx.Param(init_weight(rngs, (d, f), dtype, d), axes=("embed", "mlp"), matmul=by_first)  # DF
+        self.down_proj = nnx.Param(init_weight(rngs, (f, d), dtype, f), axes=("mlp", "embed"), matmul=by_first)  # FD
         if cfg.mlp_bias:
             self.gate_bias = nnx.Param(init_weight(rngs, (f,), dtype, 1), axes=("mlp",))  # F
             self.up_bias = nnx.Param(init_weight(rngs, (f,), dtype, 1), axes=("mlp",))  # F

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.config import ModelConfig, RopeConfig
+from mtp_jax.config.model import ModelConfig, RopeConfig
 from mtp_jax.models.cache_attention import (
     ATTENTION_CHUNK,
     LayerSlots,
@@ -37,10 +37,11 @@ from mtp_jax.models.cache_attention import (
     with_block,
 )
 from mtp_jax.models.layers import RMSNorm, apply_rope, init_weight
-from mtp_jax.models.rowwise import attention_rows_exact, float32_product, product, project, row_product
-from mtp_jax.models.stacked_weights import layer_value
-from mtp_jax.quant import QuantizedArray, block_parts
-from mtp_jax.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
+from mtp_jax.ops.rowwise import attention_rows_exact, float32_product, product, project, row_product
+from mtp_jax.ops.stacked_weights import layer_value
+from mtp_jax.parallel.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
+from mtp_jax.quant.matmul_axes import MatmulAxes
+from mtp_jax.quant.quantized_array import QuantizedArray, block_parts
 
 
 def yarn_softmax_mscale(rope: RopeConfig) -> float:
@@ -56,24 +57,27 @@ class MultiHeadLatentAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         m, d, n = cfg.mla, cfg.hidden_size, cfg.num_heads
         self.nope_dim, self.rope_dim, self.latent_rank = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        by_first = MatmulAxes((0,))  # products over D, Q or R
         if m.q_lora_rank:
             # the low-rank projections and the latent are shared by all heads: their rank is no model axis
-            q_b_shape = (m.q_lora_rank, n, m.qk_head_dim)
-            self.q_a_proj = nnx.Param(init_weight(rngs, (d, m.q_lora_rank), dtype, d), axes=("embed", None))  # DQ
+            q_a = init_weight(rngs, (d, m.q_lora_rank), dtype, d)
+            self.q_a_proj = nnx.Param(q_a, axes=("embed", None), matmul=by_first)  # DQ
             self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, dtype=dtype, axes=(None,))
-            q_b = init_weight(rngs, q_b_shape, dtype, m.q_lora_rank)
-            self.q_b_proj = nnx.Param(q_b, axes=(None, "heads", "head_dim"))  # QNJ
+            q_b = init_weight(rngs, (m.q_lora_rank, n, m.qk_head_dim), dtype, m.q_lora_rank)
+            self.q_b_proj = nnx.Param(q_b, axes=(None, "heads", "head_dim"), matmul=by_first)  # QNJ
             self.q_proj = None
         else:
             q = init_weight(rngs, (d, n, m.qk_head_dim), dtype, d)
-            self.q_proj = nnx.Param(q, axes=("embed", "heads", "head_dim"))  # DNJ
-        self.kv_a_proj = nnx.Param(init_weight(rngs, (d, m.latent_dim), dtype, d), axes=("embed", None))  # DC
+            self.q_proj = nnx.Param(q, axes=("embed", "heads", "head_dim"), matmul=by_first)  # DNJ
+        kv_a = init_weight(rngs, (d, m.latent_dim), dtype, d)
+        self.kv_a_proj = nnx.Param(kv_a, axes=("embed", None), matmul=by_first)  # DC
         self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype, axes=(None,))
         kv_b_shape = (m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim)
         kv_b = init_weight(rngs, kv_b_shape, dtype, m.kv_lora_rank)
-        self.kv_b_proj = nnx.Param(kv_b, axes=(None, "heads", "head_dim"))  # RNI
+        in_parts = MatmulAxes((0,), split_reads=True)  # absorbed attention reads its K and V parts apart (block_parts)
+        self.kv_b_proj = nnx.Param(kv_b, axes=(None, "heads", "head_dim"), matmul=in_parts)  # RNI
         o = init_weight(rngs, (n, m.v_head_dim, d), dtype, n * m.v_head_dim)
-        self.o_proj = nnx.Param(o, axes=("heads", "head_dim", "embed"))  # NWD
+        self.o_proj = nnx.Param(o, axes=("heads", "head_dim", "embed"), matmul=MatmulAxes((0, 1)))  # NWD: over N, W
         self.interleaved = cfg.rope.interleaved
         self.scale = yarn_softmax_mscale(cfg.rope) ** 2 / math.sqrt(m.qk_head_dim)
 

@@ -5,7 +5,7 @@ in the `topk_groups` best groups compete (a group scores the sum of its two best
 run only on the rows routed to them: the (token, pick) rows are sorted by expert and each projection is one grouped
 matmul (`jax.lax.ragged_dot`, group sizes = rows per expert); the outputs are put back in token order and summed
 with their routing weights. A small pass (a decode step or a verify block, at most DENSE_EXPERT_ROWS rows) reads
-only the experts its rows use where the kernel dispatch has a form for it (models/routed_kernel.py: on a TPU a
+only the experts its rows use where the kernel dispatch has a form for it (kernels/routed_kernel.py: on a TPU a
 Pallas kernel reading each used expert where it lies in the layer stack, elsewhere XLA's gather of the used
 experts where that copy costs less than reading them all); otherwise it runs every expert on every row and weights
 each output by the row's routing (zero for experts it did not pick): plain dots that read a stacked layer's weights
@@ -32,20 +32,23 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from mtp_jax import sharding
-from mtp_jax.config import ModelConfig
-from mtp_jax.models import dispatch
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.models.layers import SwiGLU, init_weight
-from mtp_jax.models.rowwise import project, row_sum
-from mtp_jax.models.stacked_weights import EXPERT_STACKS, StackedWeight, layer_value
-from mtp_jax.quant import QuantizedArray, dense
+from mtp_jax.ops import dispatch
+from mtp_jax.ops.routing import routing_mix
+from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.ops.stacked_weights import EXPERT_STACKS, StackedWeight, layer_value
+from mtp_jax.parallel import sharding
+from mtp_jax.quant.matmul_axes import MatmulAxes
+from mtp_jax.quant.quantized_array import QuantizedArray, dense
 
 EXPERT_WEIGHTS = EXPERT_STACKS  # [E, D, F], [E, D, F], [E, F, D]
-EXPERT_AXES = {  # the routed experts' logical axes, declared where MoE and SoftmaxMoE create them
+EXPERT_AXES = {  # the routed experts' logical axes, declared where MoE and SoftmaxMoE create them (`expert_param`)
     "expert_gate": ("experts", "embed", "expert_mlp"),
     "expert_up": ("experts", "embed", "expert_mlp"),
     "expert_down": ("experts", "expert_mlp", "embed"),
 }
+EXPERT_MATMUL = MatmulAxes((1,), batched=(0,))  # [E, in, out]: products over `in`, each expert a matrix of its own
 # Passes of at most this many rows (decode steps, verify blocks) run every expert on every row: a weight element
 # then costs 2 * M flops per 2 bytes read, under every accelerator's flops-to-bandwidth ratio (about 160 to 300), so
 # the pass takes the time of reading the weights it needs anyway, and its matmuls are plain dots that read a
@@ -106,11 +109,6 @@ def _as_stacks(params: tuple) -> tuple[tuple, jax.Array]:
         return tuple(w.stack for w in params), params[0].layer
     params = tuple(layer_value(w) for w in params)
     return tuple(jax.tree.map(lambda a: a[None], w) for w in params), jnp.zeros((), jnp.int32)
-
-
-def routing_mix(weights: jax.Array, ids: jax.Array, local: int) -> jax.Array:
-    """[M, E] float32: what each row's picks (weights, local ids [M, O]) give each local expert (zero: not picked)."""
-    return jnp.einsum("MO,MOE->ME", weights, jax.nn.one_hot(ids, local, dtype=jnp.float32))
 
 
 def _every_expert(x, weights, ids, gate, up, down) -> jax.Array:
@@ -192,6 +190,12 @@ def _stacked_spec(spec, weight):
     return StackedWeight(stacked, PartitionSpec())
 
 
+def expert_param(value: jax.Array, name: str) -> nnx.Param:
+    """The routed-expert weight `name` (of EXPERT_WEIGHTS) holding `value`, with its logical axes (EXPERT_AXES) and
+    its products' axes (EXPERT_MATMUL)."""
+    return nnx.Param(value, axes=EXPERT_AXES[name], matmul=EXPERT_MATMUL)
+
+
 class MoE(nnx.Module):
     """Sigmoid-routed experts with group-limited top-k, plus `num_shared_experts` always-on experts."""
 
@@ -201,9 +205,9 @@ class MoE(nnx.Module):
         # [D, E] and [E]: every shard scores every expert
         self.router = nnx.Param(init_weight(rngs, (d, e), dtype, d), axes=("embed", None))  # DE
         self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), axes=(None,))  # [E] correction bias, selection only
-        self.expert_gate = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_gate"])  # EDF
-        self.expert_up = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_up"])  # EDF
-        self.expert_down = nnx.Param(init_weight(rngs, (e, f, d), dtype, f), axes=EXPERT_AXES["expert_down"])  # EFD
+        self.expert_gate = expert_param(init_weight(rngs, (e, d, f), dtype, d), "expert_gate")  # EDF
+        self.expert_up = expert_param(init_weight(rngs, (e, d, f), dtype, d), "expert_up")  # EDF
+        self.expert_down = expert_param(init_weight(rngs, (e, f, d), dtype, f), "expert_down")  # EFD
         shared_width = f * m.num_shared_experts
         self.shared = SwiGLU(cfg, dtype=dtype, rngs=rngs, width=shared_width) if shared_width else None
         self.routing = m
@@ -253,7 +257,7 @@ class MoE(nnx.Module):
             return jax.lax.psum(out, split).astype(x.dtype).reshape(x.shape)  # the partial sums added
 
         specs = tuple(_stacked_spec(spec, w) for spec, w in zip(specs, params, strict=True))
-        # check_vma off: a Pallas kernel's output (models/routed_kernel.py) carries no varying-axes type; the psum
+        # check_vma off: a Pallas kernel's output (kernels/routed_kernel.py) carries no varying-axes type; the psum
         # adds partial sums that differ on every shard either way
         run = jax.shard_map(
             shard, mesh=rules.mesh, in_specs=(rows, rows, rows, *specs), out_specs=rows, check_vma=False

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.models.rowwise import row_sum
+from mtp_jax.ops.rowwise import row_sum
 
 
 def _normalize(x32: jax.Array, eps: float) -> jax.Array:

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.models.layers import SwiGLU, init_weight
-from mtp_jax.models.moe import EXPERT_AXES, MoE
-from mtp_jax.models.rowwise import project, row_sum
+from mtp_jax.models.moe import MoE, expert_param
+from mtp_jax.ops.rowwise import project, row_sum
 
 
 class GatedSharedExpert(nnx.Module):
@@ -40,9 +40,9 @@ class SoftmaxMoE(MoE):
         m, d = cfg.moe, cfg.hidden_size
         e, f = m.num_experts, m.expert_intermediate_size
         self.router = nnx.Param(init_weight(rngs, (d, e), dtype, d), axes=("embed", None))  # DE: every shard scores all
-        self.expert_gate = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_gate"])  # EDF
-        self.expert_up = nnx.Param(init_weight(rngs, (e, d, f), dtype, d), axes=EXPERT_AXES["expert_up"])  # EDF
-        self.expert_down = nnx.Param(init_weight(rngs, (e, f, d), dtype, f), axes=EXPERT_AXES["expert_down"])  # EFD
+        self.expert_gate = expert_param(init_weight(rngs, (e, d, f), dtype, d), "expert_gate")  # EDF
+        self.expert_up = expert_param(init_weight(rngs, (e, d, f), dtype, d), "expert_up")  # EDF
+        self.expert_down = expert_param(init_weight(rngs, (e, f, d), dtype, f), "expert_down")  # EFD
         shared_width = m.shared_width
         self.shared = GatedSharedExpert(cfg, dtype=dtype, rngs=rngs, width=shared_width) if shared_width else None
         self.routing = m

@@ -12,14 +12,14 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.config import ModelConfig
-from mtp_jax.errors import ConversionError
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM, model_param_axes
+from mtp_jax.parallel.sharding import ShardingRules
 from mtp_jax.params.source import read_json_object
 from mtp_jax.params.state_file import STATE_FILE, read_state
 from mtp_jax.params.stored_weights import as_quantized, quantized_target, read_manifest
 from mtp_jax.params.tree import CONFIG_FILE, PARAMS_DIR, abstract_params, assemble, nest
-from mtp_jax.sharding import ShardingRules
+from mtp_jax.runtime.errors import ConversionError
 
 
 def is_converted(path: str) -> bool:
@@ -106,7 +106,7 @@ def restore_converted(path: str, dtype, rules: ShardingRules | None) -> CausalLM
         return quantized_target(spec, entry, sharding_of)
 
     flat = {p: target(p, s) for p, s in abstract_params(cfg, dtype).items()}
-    import orbax.checkpoint as ocp  # 0.3 s of imports: only where a folder is written or read
+    import orbax.checkpoint as ocp  # heavy to import: only where a folder is written or read
 
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(os.path.abspath(os.path.join(path, PARAMS_DIR)), nest(flat))

@@ -13,8 +13,8 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from mtp_jax.errors import ConversionError
 from mtp_jax.params.source import CheckpointSource
+from mtp_jax.runtime.errors import ConversionError
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
@@ -53,7 +53,7 @@ def scale_index(
     hf_shape: tuple[int, int], block: tuple[int, int], transform, own_shape: tuple[int, ...], blocks: tuple[int, ...]
 ) -> np.ndarray:
     """Where each scale of our layout comes from: for a weight stored [out, in] with scale blocks `block`, and laid
-    out as ours by `transform` (shape `own_shape`) with per-axis scale blocks `blocks` (mtp_jax.quant.fp8_blocks),
+    out as ours by `transform` (shape `own_shape`) with per-axis scale blocks `blocks` (mtp_jax.quant.fp8.fp8_blocks),
     the flat index into scale_inv [ceil(out / b0), ceil(in / b1)] of every box, [own_shape[i] // blocks[i]]. Refused
     when a box of ours straddles two checkpoint blocks (a layout the blocks do not follow)."""
     columns = -(-hf_shape[1] // block[1])

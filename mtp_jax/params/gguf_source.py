@@ -16,10 +16,10 @@ import gguf
 import ml_dtypes
 import numpy as np
 
-from mtp_jax.errors import ConversionError
 from mtp_jax.params.gguf_file import GGUFFile, block_parts, dequantize
 from mtp_jax.params.source import CheckpointSource
-from mtp_jax.text_tokenizer import import_transformers
+from mtp_jax.runtime.errors import ConversionError
+from mtp_jax.runtime.transformers_import import import_transformers
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 HF_ARCHITECTURE_CLASSES = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from mtp_jax.errors import ConversionError
 from mtp_jax.params.fp8 import Fp8BlockSource, block_size
 from mtp_jax.params.gguf_source import GGUFSource
 from mtp_jax.params.source import CheckpointSource, SafetensorsFolderSource
+from mtp_jax.runtime.errors import ConversionError
 
 
 def open_source(path: str) -> CheckpointSource:

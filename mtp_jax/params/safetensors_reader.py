@@ -15,7 +15,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from mtp_jax.errors import ConversionError
+from mtp_jax.runtime.errors import ConversionError
 
 DTYPES = {
     "F64": np.dtype(np.float64),

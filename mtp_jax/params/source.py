@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from mtp_jax.errors import ConversionError
 from mtp_jax.params.safetensors_reader import SafetensorsFile
-from mtp_jax.text_tokenizer import import_transformers
+from mtp_jax.runtime.errors import ConversionError
+from mtp_jax.runtime.transformers_import import import_transformers
 
 
 class CheckpointSource(abc.ABC):

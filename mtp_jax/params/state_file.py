@@ -15,13 +15,13 @@ import struct
 import jax
 import numpy as np
 
-from mtp_jax.config import ModelConfig
-from mtp_jax.errors import ConversionError
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.models.causal_lm import model_param_axes
+from mtp_jax.parallel.sharding import ShardingRules, place_host_array
 from mtp_jax.params.safetensors_reader import DTYPES, SafetensorsFile
 from mtp_jax.params.tree import ParamPath, abstract_params, nest
-from mtp_jax.quant import QuantizedArray
-from mtp_jax.sharding import ShardingRules, place_host_array
+from mtp_jax.quant.quantized_array import QuantizedArray
+from mtp_jax.runtime.errors import ConversionError
 
 STATE_FILE = "params.safetensors"
 QUANTIZED_PARTS = ("values", "scales", "mins")

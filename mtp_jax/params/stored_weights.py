@@ -1,6 +1,6 @@
 """Quantized weights in a converted folder: written as stored (`checkpoints_convert --weights`), restored as stored.
 
-A weight kept quantized (`mtp_jax.quant.QuantizedArray`) goes into the orbax checkpoint as arrays under its path,
+A weight kept quantized (`QuantizedArray`) goes into the orbax checkpoint as arrays under its path,
 `values` (int8, float8_e4m3fn, or uint8 holding two 4-bit values each), `scales` (float32 or float16) and, for 4-bit
 blocks, `mins`, and into the folder's `quantized.json` as its path with the values' dtype and shape and the scales'
 dtype and shape, which is what a restore needs to build its targets. A folder without that file
@@ -18,24 +18,25 @@ import numpy as np
 
 from mtp_jax.params.source import read_json_object
 from mtp_jax.params.tree import ParamPath
-from mtp_jax.quant import QuantizedArray, quantize_weight, stored_axes
+from mtp_jax.quant.formats import stored_format, stored_weight
+from mtp_jax.quant.matmul_axes import MatmulAxes
+from mtp_jax.quant.quantized_array import QuantizedArray
 
 QUANTIZED_FILE = "quantized.json"  # {"/"-joined path: {"values_dtype": ..., "scales_shape": [...]}}
 
 
-def stored_param(path: ParamPath, reader, weights: str, layout, dtype, on_tensor=None):
-    """The parameter at `path` as `weights` stores it: a checkpoint's fp8 weight kept as its values and scales
-    ("auto", "fp8"); any other matmul weight quantized ("int8", "int4", "fp8"; under int8 and int4 the embeddings and
-    lm_heads too, as int8); everything else in the model dtype. NumPy arrays either way."""
+def stored_param(reader, weights: str, matmul: MatmulAxes | None, dtype, on_tensor=None):
+    """The parameter `reader` reads (declaring `matmul`: `causal_lm.model_param_matmuls`) as `weights` stores it: a
+    checkpoint's fp8 weight kept as its values and scales ("auto", "fp8"); any other weight a format stores
+    (`formats.stored_weight`: "int8", "int4", "fp8") quantized; everything else in the model dtype. NumPy arrays
+    either way."""
     if weights in ("auto", "fp8") and reader.fp8_blocks is not None:
         parts = (reader.read(on_tensor, part="values"), reader.read(on_tensor, part="scales"))
         return QuantizedArray(*parts, jnp.dtype(dtype))
     dense = reader.read(on_tensor)
-    axes = stored_axes(path, layout, weights)
-    if weights not in ("int8", "int4", "fp8") or axes is None:
+    if stored_format(matmul, weights) is None:
         return dense
-    quantized = quantize_weight(jnp.asarray(dense), weights, *axes, path)
-    return jax.tree.map(np.asarray, quantized)
+    return jax.tree.map(np.asarray, stored_weight(jnp.asarray(dense), weights, matmul))
 
 
 def split_quantized(params: dict[ParamPath, object]) -> tuple[dict[ParamPath, object], dict]:

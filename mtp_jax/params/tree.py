@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config.model import ModelConfig
 from mtp_jax.models.causal_lm import CausalLM
-from mtp_jax.sharding import ShardingRules
+from mtp_jax.parallel.sharding import ShardingRules
 
 CONFIG_FILE = "mtp_jax_config.json"  # marks a converted folder: the model's ModelConfig
 PARAMS_DIR = "params"  # the orbax checkpoint of the parameters

@@ -1,0 +1,47 @@
+"""What a benchmark result names about where it ran: the command, the device and CPU, the versions, the date."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+
+import jax
+
+from mtp_jax.decode.stats import describe_device
+from mtp_jax.kernels.cpu import cpu_rows
+
+
+def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "command": args.command,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": describe_device(),
+        "host": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
+        "cpu_kernel": cpu_rows.level() if jax.default_backend() == "cpu" else "not used (not a CPU)",
+        "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
+        "model": label,
+        "dtype": dtype,
+        "prompts": args.prompts_file or "built-in",
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "invariant": args.invariant,
+        "invariance_cost": args.invariance_cost,
+        "notes": notes,
+    }
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "cpu")
+    except OSError:
+        return platform.processor() or "cpu"

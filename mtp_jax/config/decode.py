@@ -1,0 +1,55 @@
+"""The decode settings (`DecodeConfig`): frozen and hashable, a static argument of the jitted loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static decode settings (part of the jit cache key).
+
+    num_draft: drafts per round (k); 0 is plain decoding through the same loop.
+    max_new_tokens: per-row budget of generated tokens.
+    temperature / top_k / top_p: defaults for every row; per-row arrays passed to `generate` override them.
+    stop_on_eos: stop a row at the model's EOS ids (a checkpoint without one decodes to max_new_tokens).
+    adaptive: each round drafts j <= num_draft tokens, j chosen on device from running acceptance and
+      `round_costs` (mtp_jax.decode.adaptive); num_draft is then the most a round may draft.
+    round_costs: time of a round with j = 0..num_draft drafts over a plain round, j = 0 being a probe over an MTP
+      block that rests filled (measured, e.g. by `python -m mtp_jax.bench`); None estimates them from parameter
+      bytes (right for memory-bound devices).
+    invariant: batch-invariant numerics: each row's tokens the same whatever else shares its passes (other rows,
+      their lengths, a verify block's other positions), so greedy MTP equals plain decoding in bfloat16 too, at any
+      batch size (models/cache_attention.py: `attend_written_cache`; caches are sized in whole attention chunks;
+      on one GPU every product runs in fixed tiles: kernels/fixed_tiles.py). Always on for a model whose 4-bit
+      weights multiply activations rounded to int8 (`quant.has_int8_activations`): a last-bit difference between a
+      verify block's sums and a plain step's moves a rounded activation by a whole step, so only batch-invariant passes
+      keep MTP equal to plain there.
+    """
+
+    num_draft: int = 3
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_on_eos: bool = True
+    adaptive: bool = False
+    round_costs: tuple[float, ...] | None = None
+    invariant: bool = False
+
+    def __post_init__(self):
+        if self.num_draft < 0:
+            raise ValueError(f"num_draft must be >= 0, got {self.num_draft}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.round_costs is not None:
+            costs, k = tuple(self.round_costs), self.num_draft
+            if len(costs) != k + 1 or not all(math.isfinite(c) and c > 0 for c in costs):
+                raise ValueError(f"round_costs needs {k + 1} positive numbers (j = 0..{k}), got {costs}")

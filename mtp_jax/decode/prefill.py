@@ -1,0 +1,85 @@
+"""The decode loop's prefill: the trunk (and the MTP layer) over the padded prompts, and the loop state the first
+round starts from."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.decode.loop_state import (
+    AdaptiveState,
+    DecodeStats,
+    LoopState,
+    MtpBlock,
+    gather_rows,
+    mtp_block_width,
+    round_keys,
+)
+from mtp_jax.decode.sampling import SamplingParams, probabilities, sample
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.kv_cache import decode_attention
+
+
+def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array,
+            prompt_ids: jax.Array, prompt_lens: jax.Array, row_keys: jax.Array, slots: int) -> LoopState:  # fmt: skip
+    """Trunk (and MTP) over the padded prompts (ids [B, P], lens [B], one key per row [B], caches of `slots`); the
+    first token from each row's last prompt position (sampled unless `sampling` is None); `eos` [E] ends a row."""
+    batch, prompt_width = prompt_ids.shape
+    k = cfg.num_draft
+    positions = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
+    cache = model.new_cache(batch, slots, decode_attention(prompt_width, cfg))
+    hidden, cache = model.trunk(prompt_ids, positions, cache, lengths=prompt_lens)  # [B, P, D]
+    last = prompt_lens - 1
+    last_hidden = gather_rows(hidden, last)  # [B, D]
+    logits = model.logits(last_hidden)
+    if sampling is None:
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        keys = round_keys(row_keys, jnp.int32(-1), 0)
+        first = jax.vmap(sample)(keys, probabilities(logits[:, None], sampling)[:, 0])
+    tokens = jnp.zeros((batch, cfg.max_new_tokens + k + 1), jnp.int32).at[:, 0].set(first)
+    hit_eos = jnp.isin(first, eos)
+    stats = DecodeStats.zeros(k)
+    state = LoopState(
+        tokens=tokens,
+        num_generated=jnp.ones((batch,), jnp.int32),
+        done=hit_eos | (cfg.max_new_tokens <= 1),
+        finished_by_eos=hit_eos,
+        position=prompt_lens,
+        pending=first,
+        cache=cache,
+        mtp_cache=None,
+        block=None,
+        row_keys=row_keys,
+        stats=stats,
+        adaptive=AdaptiveState.start(k) if cfg.adaptive and k > 0 else None,
+    )
+    if k == 0:
+        return state
+    mtp_cache = mtp_over_prompt(model, cfg, prompt_ids, positions, last, hidden, first, slots)
+    return state.replace(mtp_cache=mtp_cache, block=first_block(cfg, last_hidden, first, last))
+
+
+def mtp_over_prompt(model: CausalLM, cfg: DecodeConfig, prompt_ids, positions, last, hidden, first, slots: int):
+    """The MTP cache over the prompts (ids and positions [B, P], hidden [B, P, D]): slot p pairs h[p] with x[p+1];
+    each row's last prompt slot (last [B]) pairs with its first token (first [B])."""
+    batch, prompt_width = prompt_ids.shape
+    next_tokens = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
+    next_tokens = jnp.where(jnp.arange(prompt_width) == last[:, None], first[:, None], next_tokens)
+    mtp_cache = model.new_mtp_cache(batch, slots, decode_attention(prompt_width, cfg))
+    _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
+    return mtp_cache
+
+
+def first_block(cfg: DecodeConfig, last_hidden: jax.Array, first: jax.Array, last: jax.Array) -> MtpBlock:
+    """The MTP block after the prefill: one slot, h[P-1] (last_hidden [B, D]) with the first token (first [B]),
+    at each row's last prompt position (last [B])."""
+    batch, width = first.shape[0], mtp_block_width(cfg)
+    return MtpBlock(
+        hidden=jnp.zeros((batch, width, last_hidden.shape[-1]), last_hidden.dtype).at[:, 0].set(last_hidden),
+        tokens=jnp.zeros((batch, width), jnp.int32).at[:, 0].set(first),
+        start=last,
+        count=jnp.ones((batch,), jnp.int32),
+        visible_from=jnp.zeros((batch,), jnp.int32) if cfg.adaptive else None,
+    )

@@ -1,0 +1,113 @@
+"""Decode attention on a CPU in one call per layer: native/cache_attention.cc, built into the row kernel's library
+(kernels/cpu/cpu_rows.py registers both).
+
+The batch-invariant form written with XLA ops (`cache_attention.attend_written_cache`) copies each layer's chunk of
+keys and values, with the block's entries merged in, into the layout its products read, and runs a few dozen small
+ops a layer: a large share of a batch-1 decode step of the default model on a CPU (measured:
+docs/benchmarks-log.md#batch-1-on-a-new-cpu-attention-in-one-kernel-call-and-activations-rounded-to-int8-cpu). The
+kernel reads keys and values where they lie in the stacked cache, takes the block's entries for the slots they are
+written to, and gives each query its softmax over the cache before its block and, causally, the block, summed in
+slot order: a query's result depends on nothing else in the pass, so it is batch-invariant by construction (its
+numerics are its own: not the bits of the XLA forms). It serves every pass of batch-invariant decoding and, outside
+it, decode steps and verify blocks (`DECODE_POSITIONS`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.kernels.cpu import cpu_rows
+from mtp_jax.ops import dispatch
+from mtp_jax.ops.rowwise import attention_rows_exact
+
+KERNEL = "cpu_attention"  # its name in ops/dispatch.py
+DECODE_POSITIONS = 16  # a pass of at most this many positions a row (decode steps, verify blocks) takes the kernel
+# outside batch-invariant decoding; a prefill keeps XLA's form, whose products are GEMMs
+LANES = 16  # head dims are whole vectors of this many floats, at most MAX_HEAD_DIM
+MAX_HEAD_DIM = 128
+
+
+def takes(q: jax.Array, past_k, shards: int) -> bool:
+    """Whether the kernel can attend these queries [B, T, N, H] over this cache (an array [B, S, K, H] or
+    LayerSlots): float32 queries and cache, one run of slots (not split over devices), whole vectors of head dims,
+    on a CPU with the row kernel built (`rowwise.attention_rows_exact` is asked by the caller)."""
+    head_dim = q.shape[-1]
+    return (
+        shards == 1
+        and q.dtype == jnp.float32
+        and past_k.dtype == jnp.float32
+        and head_dim % LANES == 0
+        and head_dim <= MAX_HEAD_DIM
+        and cpu_rows.status() == "ready"
+    )
+
+
+def attend(q, k, v, positions, past_k, past_v, visible_from) -> jax.Array:
+    """q [B, T, K, G, H] (scaled), k / v [B, T, K, H] the block's entries, positions [B, T], past_k / past_v one
+    layer's cache ([B, S, K, H] or LayerSlots), visible_from [B] or None -> [B, T, K, G, H] float32.
+    Differentiable: the gradients are those of `reference` (training an MTP layer through short passes)."""
+    caches, layer = [], jnp.zeros((), jnp.int32)
+    for past in (past_k, past_v):
+        if hasattr(past, "stacked"):  # LayerSlots: read in place from the stack
+            caches.append(past.stacked)
+            layer = past.layer.astype(jnp.int32)
+        else:
+            caches.append(past[None])
+    b = q.shape[0]
+    start = jnp.zeros((b,), jnp.int32) if visible_from is None else visible_from.astype(jnp.int32)
+    blocks = k.astype(jnp.float32), v.astype(jnp.float32)
+    return _attend(q, *blocks, *caches, positions.astype(jnp.int32), layer, start)
+
+
+@jax.custom_vjp
+def _attend(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
+    call = jax.ffi.ffi_call(
+        cpu_rows.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
+    )
+    return call(q, cache_k, cache_v, layer, k, v, positions, start)
+
+
+def reference(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
+    """What the kernel computes, in XLA's ops (cache_attention's one-pass form, written here: that module imports
+    this one): each query [B, T, K, G, H] over layer `layer`'s cache slots [L, B, S, K, H] from start[b] to
+    positions[b, 0] - 1 and, causally, over the block's entries k / v [B, T, K, H]."""
+    t = positions.shape[1]
+    keys, values = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
+    slot = jnp.arange(keys.shape[1])
+    seen = (slot[None, :] < positions[:, :1]) & (slot[None, :] >= start[:, None])  # [B, S]
+    past = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    past = jnp.where(seen[:, None, None, None], past, -jnp.inf)
+    own = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=jnp.float32)
+    own = jnp.where(jnp.tril(jnp.ones((t, t), bool)), own, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., : slot.size], values, preferred_element_type=jnp.float32)
+    return out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., slot.size :], v, preferred_element_type=jnp.float32)
+
+
+def _attend_forward(*operands):
+    return _attend(*operands), operands
+
+
+def _attend_backward(residuals, cotangent):
+    q, k, v, cache_k, cache_v, positions, layer, start = residuals
+    floats = lambda *a: reference(*a, positions, layer, start)
+    _, pullback = jax.vjp(floats, q, k, v, cache_k, cache_v)
+    return (*pullback(cotangent), None, None, None)
+
+
+_attend.defvjp(_attend_forward, _attend_backward)
+
+
+def _accepts(numerics: dispatch.Numerics, q: jax.Array, past_k, shards: int, whole_pass: bool) -> bool:
+    """Decode steps and verify blocks (every pass where the batch-invariant form asks) that `takes` says it reads,
+    in a program for one CPU device."""
+    fits = whole_pass or q.shape[1] <= DECODE_POSITIONS
+    return fits and numerics.has(KERNEL) and attention_rows_exact(q.dtype) and takes(q, past_k, shards)
+
+
+dispatch.register_kernel(
+    KERNEL,
+    lambda platform: platform == "cpu" and cpu_rows.status() == "ready",
+    attention=dispatch.Implementation(KERNEL, _accepts, attend),
+)

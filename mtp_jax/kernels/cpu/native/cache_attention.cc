@@ -1,0 +1,82 @@
+// Decode attention over a layer's cache in one call (mtp_jax/kernels/cpu/cpu_attention.py binds it): every query attends
+// to the cache before its block, reading keys and values where they lie in the stacked cache, and causally to the
+// block's own entries; batch-invariant by construction.
+//
+//   q        [B, T, K, G, H] float32 queries, already scaled (K kv heads, G queries per kv head)
+//   cache_k  [L, B, S, K, H] float32 (cache_v the same); layer `layer` (int32 scalar) is read
+//   block_k  [B, T, K, H] float32 (block_v the same): the entries this block writes at positions[b, 0] .. + T - 1
+//   positions [B, T] int32, contiguous per row; from [B] int32: slots before it are not seen (0: all)
+//   out      [B, T, K, G, H] float32
+//
+// The t-th query of row b sees the cache slots from[b] .. positions[b, 0] - 1, then the block's entries 0 .. t (in
+// slot order: the slots they are written to): score_j = q . key_j (kLanes chains over H, added in a fixed tree),
+// m = the largest score, out = sum_j exp(score_j - m) value_j / sum_j exp(score_j - m), both sums in that order.
+// Nothing in a query's result depends on the other queries of the pass, their rows or their number.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "cache_attention.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using attention::Shapes;
+
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
+                          ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> block_k,
+                          ffi::Buffer<ffi::F32> block_v, ffi::Buffer<ffi::S32> positions,
+                          ffi::Buffer<ffi::S32> from, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), cd = cache_k.dimensions(), bd = block_k.dimensions();
+  if (qd.size() != 5 || cd.size() != 5 || bd.size() != 4)
+    return ffi::Error::InvalidArgument("cache_attention: q is [B, T, K, G, H], caches [L, B, S, K, H], blocks [B, T, K, H]");
+  const Shapes d{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
+  if (cd[1] != d.B || cd[3] != d.K || cd[4] != d.H || bd[0] != d.B || bd[1] != d.T || bd[2] != d.K || bd[3] != d.H ||
+      d.H % rows::kLanes != 0 || d.H > rows::kMaxHeadDim || positions.element_count() != d.B * d.T || from.element_count() != d.B)
+    return ffi::Error::InvalidArgument("cache_attention: shapes do not agree, or H is not 16, 32, ..., 128");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("cache_attention: layer out of range");
+  const int64_t layer_size = d.B * d.S * d.K * d.H;
+  const float* keys = cache_k.typed_data() + l * layer_size;
+  const float* values = cache_v.typed_data() + l * layer_size;
+  const int64_t pairs = d.B * d.K;
+  const float *qp = q.typed_data(), *bk = block_k.typed_data(), *bv = block_v.typed_data();
+  const int32_t *pp = positions.typed_data(), *fp = from.typed_data();
+  float* op = out->typed_data();
+  auto next = std::make_shared<std::atomic<int64_t>>(0);
+  auto done = std::make_shared<std::atomic<int64_t>>(0);
+  auto work = [=]() {
+    std::vector<float> scores;
+    for (int64_t p; (p = next->fetch_add(1)) < pairs;) {
+      attention::attend_pair(qp, keys, values, bk, bv, pp, fp[p / d.K], d, p / d.K, p % d.K, op, scores);
+      done->fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), pairs - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
+  work();
+  while (done->load() < pairs) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpJaxCacheAttention, CacheAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,258 @@
+"""Fixed-shape caches. Attention caches: rows write at their own positions; rollback is by length (attention masks
+every slot past the query's position, so rejected drafts are simply overwritten later). Gated DeltaNet states
+(hybrid trunks, in a `GroupCache`): rollback is by selection, the verify pass giving the state after every position.
+
+Every cache is a pytree whose leaves are [L, B, S, ...] arrays (layer, batch row, slot = absolute position), in the
+order a layer takes them as `past` and returns its new entries (models/causal_lm.py's LayerStack relies on it).
+
+An attention cache is one buffer, updated in place: rows write their entries with dynamic-update-slices (a scatter
+would want its own memory layout, the tiles over [kv heads, head dim], while attention reads chunks tiled over
+[slots, head dim]: XLA then converted the whole cache between the two every round, a second copy of it in memory),
+and on TPU every producer of a cache pins the layout attention reads (`_pinned`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.experimental.layout import Layout, with_layout_constraint
+from jax.sharding import PartitionSpec
+
+from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.config.model import LayerKind, ModelConfig
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, checked_attention
+from mtp_jax.models.gated_deltanet import DeltaNetState
+from mtp_jax.ops import loops
+from mtp_jax.parallel.sharding import (
+    CACHE,
+    DELTANET_CONV,
+    DELTANET_STATE,
+    LATENT_CACHE,
+    ShardingRules,
+    active_platform,
+    active_rules,
+    constrain,
+    constrain_cache,
+)
+
+
+def write_slots(cache: jax.Array, entries: jax.Array, positions: jax.Array) -> jax.Array:
+    """cache [L, B, S, ...] (KVCache's [L, B, S, K, H] or LatentCache's [L, B, S, C]) with entries [L, B, T, ...]
+    written at slots `positions` [B, T] (contiguous per row) of their own rows; slots past S are dropped. On a mesh,
+    each device writes the rows and slots it holds (`shard_map`), so no cache moves between devices."""
+    rules = active_rules()
+    if rules is None:
+        return _write_rows(cache, entries, positions, 0)
+    spec = rules.cache_spec(CACHE if cache.ndim == 5 else LATENT_CACHE, cache.shape, ATTENTION_CHUNK)
+    slot_axes = spec[2]  # the mesh axes of a cache split over its slots, or None
+
+    def local(cache, entries, positions):  # this device's rows, and its run of slots
+        first = 0 if slot_axes is None else jax.lax.axis_index(slot_axes) * cache.shape[2]
+        return _write_rows(cache, entries, positions, first)
+
+    rows = PartitionSpec(*spec[:2], None, *spec[3:])  # entries [L, B, T, ...] split as the cache, bar the slots
+    run = jax.shard_map(local, mesh=rules.mesh, in_specs=(spec, rows, PartitionSpec(spec[1], None)), out_specs=spec)
+    return run(cache, entries, positions)
+
+
+def _write_rows(cache: jax.Array, entries: jax.Array, positions: jax.Array, first) -> jax.Array:
+    """cache [L, B, S, ...] holding slots first .. first + S - 1, with entries [L, B, T, ...] written at `positions`
+    [B, T] (contiguous per row) where they fall in it: row by row, one dynamic-update-slice of a window of min(S, T)
+    slots, inside the cache, that keeps the slots no entry falls on."""
+    slots, t = cache.shape[2], entries.shape[2]
+    width = min(slots, t)
+    entries, positions = entries.astype(cache.dtype), jnp.asarray(positions)
+    per_slot = (1, 1, width) + (1,) * (cache.ndim - 3)
+    pin = _attention_layout if _on_tpu() else lambda x: x
+
+    def row(b, cache):
+        start = positions[b, 0] - first  # the row's first entry's slot in this cache
+        corner = jnp.clip(start, 0, slots - width)
+        index = corner + jnp.arange(width) - start  # [W] the entry each window slot takes
+        window = (0, b, corner) + (0,) * (cache.ndim - 3)
+        old = jax.lax.dynamic_slice(cache, window, (cache.shape[0], 1, width, *cache.shape[3:]))  # [L, 1, W, ...]
+        new = jnp.take(jax.lax.dynamic_slice_in_dim(entries, b, 1, axis=1), jnp.clip(index, 0, t - 1), axis=2)
+        keep = ((index < 0) | (index >= t)).reshape(per_slot)
+        return pin(jax.lax.dynamic_update_slice(cache, jnp.where(keep, old, new), window))
+
+    return loops.fori_loop(0, cache.shape[1], row, cache)
+
+
+def _pinned(x: jax.Array, layout) -> jax.Array:
+    """A cache [L, B, S, ...] with logical axes `layout` pinned to its sharding under the active rules
+    (ShardingRules.cache_spec) and, on TPU, each device's block to the memory layout attention reads
+    (`_attention_layout`; inside `shard_map`, where the partitioner cannot take the layout for a reason to gather)."""
+    x = constrain_cache(x, layout, ATTENTION_CHUNK)
+    rules = active_rules()
+    if not _on_tpu():
+        return x
+    if rules is None:
+        return _attention_layout(x)
+    spec = rules.cache_spec(layout, x.shape, ATTENTION_CHUNK)
+    return jax.shard_map(_attention_layout, mesh=rules.mesh, in_specs=spec, out_specs=spec)(x)
+
+
+def _on_tpu() -> bool:
+    """Whether the active rules' mesh (else the default backend) is made of TPU devices."""
+    return active_platform() == "tpu"
+
+
+def _attention_layout(x: jax.Array) -> jax.Array:
+    """A cache [L, B, S, ...] in the memory layout attention reads it in: the last dim minor, slots next (on TPU,
+    tiles over [slots, head dim]). Every producer of a cache pins it, so the decode loop keeps one buffer in one
+    layout (a cache in the layout its writes prefer was converted whole for the reads every round)."""
+    order = (*(d for d in range(x.ndim - 1) if d != 2), 2, x.ndim - 1)  # major to minor
+    return with_layout_constraint(x, Layout(major_to_minor=order))
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of a stack of attention layers.
+
+    k, v: [L, B, S, K, H] — layer, batch row, cache slot (= absolute position), kv head, head dim.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    attention: str = struct.field(pytree_node=False, default="one_pass")  # how it is attended: ATTENTION_FORMS
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None) -> KVCache:
+        """`attention`: its form (models/cache_attention.py: `checked_attention`)."""
+        shape = (num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), attention=checked_attention(attention, slots))
+
+    @property
+    def invariant(self) -> bool:
+        return self.attention == "invariant"
+
+    def constrained(self) -> KVCache:
+        """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data, kv_heads -> model,
+        or, when `model` does not divide the kv heads and the cache is long, its slots over model."""
+        return self.replace(k=_pinned(self.k, CACHE), v=_pinned(self.v, CACHE))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    def bytes_per_token(self) -> int:
+        num_layers, _, _, kv_heads, head_dim = self.k.shape
+        return 2 * num_layers * kv_heads * head_dim * self.k.dtype.itemsize
+
+
+@struct.dataclass
+class LatentCache:
+    """Compressed latents of a stack of multi-head latent attention layers.
+
+    latent: [L, B, S, C] — per token, the normed kv latent (kv_lora_rank dims) then the rotary key shared by all
+    heads (qk_rope_head_dim dims): C = kv_lora_rank + qk_rope_head_dim.
+    """
+
+    latent: jax.Array
+    attention: str = struct.field(pytree_node=False, default="one_pass")  # how it is attended: ATTENTION_FORMS
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None) -> LatentCache:
+        """`attention`: its form (models/cache_attention.py: `checked_attention`)."""
+        latent = jnp.zeros((num_layers, batch, slots, cfg.mla.latent_dim), dtype)
+        return cls(latent=latent, attention=checked_attention(attention, slots))
+
+    @property
+    def invariant(self) -> bool:
+        return self.attention == "invariant"
+
+    def constrained(self) -> LatentCache:
+        """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data and, when long, its
+        slots over model and expert; whole on every device otherwise."""
+        return self.replace(latent=_pinned(self.latent, LATENT_CACHE))
+
+    @property
+    def slots(self) -> int:
+        return self.latent.shape[2]
+
+    def bytes_per_token(self) -> int:
+        num_layers, _, _, dims = self.latent.shape
+        return num_layers * dims * self.latent.dtype.itemsize
+
+
+def long_cache_shards(cfg: ModelConfig, rules: ShardingRules | None) -> int:
+    """M: how many shards `rules` split a long attention cache of this model into over its slots (1 off a mesh, or
+    where its kv heads take `model`); mtp_jax.models.kv_cache.cache_slots gives such a cache whole chunks per shard."""
+    if rules is None:
+        return 1
+    layout, heads = (LATENT_CACHE, (cfg.mla.latent_dim,)) if cfg.mla else (CACHE, (cfg.num_kv_heads, cfg.head_dim))
+    return math.prod(rules.mesh.shape[axis] for axis in rules.slot_axes(layout, (1, 1, 1, *heads)))  # [L, B, S, ...]
+
+
+def attention_cache(kind: LayerKind, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None):
+    """An empty cache for `num_layers` layers of this kind: KVCache for GQA, LatentCache for MLA, attended in form
+    `attention` (models/cache_attention.py; None: `default_attention(slots)`)."""
+    cache_class = LatentCache if kind.attention == "mla" else KVCache
+    return cache_class.zeros(num_layers, batch, slots, cfg, dtype, attention).constrained()
+
+
+def deltanet_states(num_layers: int, batch: int, cfg: ModelConfig, dtype) -> DeltaNetState:
+    """Zero states of `num_layers` gated DeltaNet layers: conv [L, B, W-1, C], recurrent [L, B, N, H, Y]."""
+    one = DeltaNetState.zeros(batch, cfg.linear_attention, dtype)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_layers, *x.shape)), one)
+
+
+@struct.dataclass
+class GroupCache:
+    """The caches of a repeated layer group (models/hybrid_stack.py), one entry per layer of the group, each stacked
+    over the R repeats: KVCache [R, B, S, K, H] for an attention layer, DeltaNetState (conv [R, B, W-1, C],
+    recurrent [R, B, N, H, Y]) for a gated DeltaNet. Right after a verify pass, the DeltaNet entries hold the state
+    after every block position (conv [R, B, T, W-1, C], recurrent [R, B, T, N, H, Y]) until `keep_verified`."""
+
+    members: tuple
+    attention: str = struct.field(pytree_node=False, default="one_pass")  # its attention members' form
+
+    @property
+    def invariant(self) -> bool:
+        """Whether its attention caches are attended in the batch-invariant form (and its layers run so)."""
+        return self.attention == "invariant"
+
+    def constrained(self) -> GroupCache:
+        """Pinned to its layout under active sharding rules: rows over data, kv heads and value heads over model."""
+
+        def pin(entry):
+            if isinstance(entry, DeltaNetState):
+                conv, recurrent = constrain(entry.conv, DELTANET_CONV), constrain(entry.recurrent, DELTANET_STATE)
+                return DeltaNetState(conv=conv, recurrent=recurrent)
+            return entry.constrained()
+
+        return self.replace(members=tuple(pin(entry) for entry in self.members))
+
+    def keep_verified(self, before: GroupCache, accepted: jax.Array, active: jax.Array) -> GroupCache:
+        """After a verify pass: each DeltaNet keeps, per row, the state after block position accepted[b] ([B] int),
+        and rows not active ([B] bool) their state from `before` exactly; attention entries are kept as written."""
+
+        def keep(entry, old):
+            if not isinstance(entry, DeltaNetState):
+                return entry
+            return jax.vmap(lambda states, prior: states.at(accepted).keep_where(~active, prior))(entry, old)
+
+        return self.replace(members=tuple(keep(e, o) for e, o in zip(self.members, before.members, strict=True)))
+
+
+def decode_attention(prompt_width: int, cfg: DecodeConfig) -> str:
+    """The form decoding attends its caches in (models/cache_attention.py): "invariant" for batch-invariant decoding
+    (`cfg.invariant`); "chunked" when prompt and budget pass one attention chunk, so that attention reads only the
+    chunks holding visible slots; "one_pass" otherwise. The choice ignores k, so plain and MTP decoding of the same
+    prompts and budget attend alike."""
+    if cfg.invariant:
+        return "invariant"
+    return "chunked" if prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK else "one_pass"
+
+
+def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
+    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16; for a chunked or
+    invariant form (`decode_attention`), to whole chunks on each of `shards` (M) shards of a cache split over its
+    slots (`long_cache_shards`). Chunks a row cannot see yet are skipped, so extra ones change nothing."""
+    needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
+    if decode_attention(prompt_width, cfg) == "one_pass":
+        return -(-needed // 16) * 16
+    return -(-needed // (shards * ATTENTION_CHUNK)) * shards * ATTENTION_CHUNK

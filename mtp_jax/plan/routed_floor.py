@@ -1,0 +1,86 @@
+"""What a decode pass of a mixture-of-experts model must read: dense weights plus the experts its rows route to.
+
+A pass of R rows, each picking O of E experts, uses on a device holding E_local of them an expected
+E_local (1 - (1 - O / E)^R) distinct experts, with routing taken as uniform and the rows independent (real routers
+are skewed, which uses fewer). That is the routed floor's expert part; the plain step's floor adds the trunk's
+other weights, the final norm, the lm_head and the whole cache (`planning.plain_step_floor`), and an MTP round's adds
+a verify pass of B (k + 1) rows through the trunk, k draft passes of B rows through the MTP block (its experts
+routed afresh each time) and k more reads of the lm_head.
+
+The decode kernel that reads only used experts (kernels/routed_kernel.py) fetches each used expert once (a device
+none of whose experts is used skips the call), so `hlo_traffic` counts its custom calls with `expected_experts`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from flax import nnx
+
+from mtp_jax.ops.stacked_weights import EXPERT_STACKS
+
+
+def expected_experts(rows: int, picks: int, total: int, local: int) -> float:
+    """Expected distinct experts of `local` (one device's) that `rows` rows of `picks` uniform picks out of `total`
+    use."""
+    return local * (1.0 - (1.0 - picks / total) ** rows)
+
+
+def _is_expert(path) -> bool:
+    return any(getattr(key, "key", None) in EXPERT_STACKS for key in path)
+
+
+def _is_mtp(path) -> bool:
+    return getattr(path[0], "key", None) in ("mtp", "draft_vocab")
+
+
+def _shard(leaf) -> tuple[int, ...]:
+    return tuple(leaf.sharding.shard_shape(leaf.shape))
+
+
+def _bytes(leaf) -> int:
+    return math.prod(_shard(leaf)) * leaf.dtype.itemsize
+
+
+def parts(model) -> dict[str, float]:
+    """Bytes one device holds of the model, in parts: trunk / mtp dense weights, trunk / mtp expert weights, the
+    lm_head as a plain step reads it (the embedding when tied), and `local_experts` (E_local)."""
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    out = {"trunk_dense": 0.0, "mtp_dense": 0.0, "trunk_experts": 0.0, "mtp_experts": 0.0, "lm_head": 0.0}
+    local = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        top = getattr(path[0], "key", None)
+        if top == "embed" and model.lm_head is not None:
+            continue  # a plain step gathers B rows of an untied embedding
+        if top in ("embed", "lm_head"):
+            out["lm_head"] += _bytes(leaf)
+        elif _is_expert(path):
+            out["mtp_experts" if _is_mtp(path) else "trunk_experts"] += _bytes(leaf)
+            local = _shard(leaf)[-3]  # [..., E, D, F] / [..., E, F, D]: the experts one device holds
+        else:
+            out["mtp_dense" if _is_mtp(path) else "trunk_dense"] += _bytes(leaf)
+    out["local_experts"] = local
+    return out
+
+
+def routed_floor_bytes(model, cache_bytes: int, batch: int, num_draft: int) -> int:
+    """Bytes per device a pass must read with routed reads: a plain step (num_draft 0: B rows through the trunk)
+    or an MTP round (a verify of B (k + 1) rows, k draft passes of B rows through the MTP block, k + 1 lm_head
+    reads). Dense models: the weights and cache the pass reads, no expert part."""
+    held = parts(model)
+    moe = model.config.moe
+    local = held["local_experts"]
+    data = model.sharding_rules.mesh.shape.get("data", 1)  # a device routes its data shard's rows
+
+    def routed(expert_bytes: float, rows: int) -> float:
+        if not local or moe is None:
+            return expert_bytes
+        used = expected_experts(-(-rows // data), moe.experts_per_token, moe.num_experts, local)
+        return expert_bytes * used / local
+
+    rows = batch * (num_draft + 1)
+    total = held["trunk_dense"] + routed(held["trunk_experts"], rows) + held["lm_head"] + cache_bytes
+    if num_draft:
+        total += num_draft * (held["mtp_dense"] + routed(held["mtp_experts"], batch) + held["lm_head"])
+    return int(total)

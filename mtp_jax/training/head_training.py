@@ -1,0 +1,350 @@
+"""MTP-head training: K recursive teacher-forced steps through one shared MTP layer; trunk, embedding and lm_head
+frozen.
+
+Step k (1-based) at slot s predicts x[s+2] from the token x[s+1] and a hidden: the trunk's h[s] for k = 1, and for
+k > 1 step k-1's output at slot s-1. So the chain started at t reaches slot t+k-1 at step k and predicts x[t+k+1]
+from h[t] and the true tokens x[t+1..t+k] — the recursion a decode round runs. Loss weights
+alpha_k = beta^(k-1) / sum_j beta^(j-1).
+
+Three objectives: "ce", cross-entropy on the token x[s+2]; "kl", KL(p || q) from the trunk's own next-token
+distribution p at slot s+1 (over the draft vocabulary, renormalized) to the draft distribution q; "tv", the total
+variation 1 - sum_x min(p(x), q(x)) between the same two. The last two give every position a whole distribution to
+match instead of one token; "tv" is one minus the probability that sampled verification at temperature 1 accepts the
+draft, so it trains for exactly that. The benchmarks log compares them on the default model
+(docs/benchmarks-log.md#head-objective-cross-entropy-on-tokens-vs-kl-to-the-trunk-cpu and the head's stages after
+it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx, struct
+
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.quant.quantized_array import QuantizedArray, dense
+from mtp_jax.runtime.errors import UserError
+
+
+def loss_weights(num_steps: int, beta: float = 0.6) -> np.ndarray:
+    """[K] weights beta^(k-1) / sum_j beta^(j-1): [0.51, 0.31, 0.18] for K = 3."""
+    raw = beta ** np.arange(num_steps, dtype=np.float64)
+    return (raw / raw.sum()).astype(np.float32)
+
+
+@struct.dataclass
+class Batch:
+    tokens: jax.Array  # [B, T] int32, right-padded
+    hidden: jax.Array  # [B, T, D] the frozen trunk's final-normed hidden
+    lengths: jax.Array  # [B] valid tokens per row
+    loss_start: jax.Array  # [B] first target position that counts (the response start)
+
+
+def step_logits(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps: int) -> list[jax.Array]:
+    """Draft-vocabulary logits [B, T, Vd] of each step; at every step slot s predicts x[s+2]."""
+    batch_size, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width), (batch_size, width))
+    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch_size, 1), tokens.dtype)], axis=1)  # x[s+1]
+    logits = []
+    for _ in range(num_steps):
+        cache = model.new_mtp_cache(batch_size, 1)  # a full-sequence pass, no past
+        recurse, normed, _ = model.mtp_step(hidden, next_tokens, positions, cache)
+        logits.append(model.draft_logits(normed))
+        hidden = jnp.concatenate([jnp.zeros_like(recurse[:, :1]), recurse[:, :-1]], axis=1)  # slot s <- s-1
+    return logits
+
+
+def trunk_draft_log_probs(model: CausalLM, hidden: jax.Array) -> jax.Array:
+    """Log-probabilities [B, T, Vd] of the trunk's next token from its final-normed hidden [B, T, D], over the draft
+    vocabulary (renormalized there): what a perfect draft would propose."""
+    weights = model.head_weights()  # [D, V]: the trunk's lm_head, also when the MTP layer has its own
+    if model.draft_vocab is not None:
+        weights = jnp.take(weights, model.draft_vocab[...], axis=1)  # [D, Vd]
+    logits = jnp.einsum("btd,dv->btv", hidden, weights, preferred_element_type=jnp.float32)
+    return jax.nn.log_softmax(jax.lax.stop_gradient(logits), axis=-1)
+
+
+def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax.Array, objective: str = "ce"):
+    """Per-step (mean loss [K], argmax accuracy [K], counted slots [K]).
+
+    objective "ce": cross-entropy on x[s+2]; target_index [V] maps a token id to its index in the draft vocabulary
+    (-1 outside it; those targets are not counted: drafts cannot propose them). "kl": KL(p || q) from the trunk's
+    distribution at slot s+1 (the one that picked x[s+2]) to the draft's, at every slot; "tv": their total variation
+    1 - sum min(p, q). Accuracy counts argmax matches of x[s+2] either way.
+    """
+    tokens, (batch_size, width) = batch.tokens, batch.tokens.shape
+    slots = jnp.arange(width)
+    targets = jnp.concatenate([tokens[:, 2:], jnp.zeros((batch_size, 2), tokens.dtype)], axis=1)  # x[s+2]
+    target_draft = target_index[targets]  # [B, T]
+    in_text = (slots + 2 < batch.lengths[:, None]) & (slots + 2 >= batch.loss_start[:, None])
+    if objective == "ce":
+        in_text &= target_draft >= 0
+    elif objective in ("kl", "tv"):
+        next_hidden = jnp.concatenate([batch.hidden[:, 1:], jnp.zeros_like(batch.hidden[:, :1])], axis=1)  # h[s+1]
+        teacher = trunk_draft_log_probs(model, next_hidden)  # [B, T, Vd]
+    else:
+        raise ValueError(f"unknown objective {objective!r}; known: ce, kl, tv")
+    safe_target = jnp.maximum(target_draft, 0)
+    losses, accuracies, counts = [], [], []
+    for step, logits in enumerate(step_logits(model, tokens, batch.hidden, num_steps)):
+        log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, T, Vd]
+        if objective == "ce":
+            loss = -jnp.take_along_axis(log_q, safe_target[..., None], -1)[..., 0]
+        elif objective == "kl":
+            loss = jnp.sum(jnp.exp(teacher) * (teacher - log_q), axis=-1)
+        else:
+            loss = 1.0 - jnp.sum(jnp.minimum(jnp.exp(teacher), jnp.exp(log_q)), axis=-1)
+        valid = in_text & (slots >= step)[None, :]  # the chain must have started at slot s - step >= 0
+        count = jnp.sum(valid)
+        losses.append(jnp.sum(jnp.where(valid, loss, 0.0)) / jnp.maximum(count, 1))
+        accuracies.append(jnp.sum(valid & (jnp.argmax(logits, -1) == target_draft)) / jnp.maximum(count, 1))
+        counts.append(count)
+    return jnp.stack(losses), jnp.stack(accuracies), jnp.stack(counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    num_steps: int = 3  # K recursive MTP steps in the objective
+    objective: str = "ce"  # "ce" on the next-next token, "kl" or "tv" to the trunk's distribution (module docstring)
+    beta: float = 0.6
+    train_steps: int = 1000
+    batch_size: int = 16
+    learning_rate: float = 2e-3
+    warmup_steps: int = 50
+    final_lr_fraction: float = 0.1
+    grad_clip: float = 1.0
+    weight_decay: float = 0.01
+    seed: int = 0
+
+    def optimizer(self) -> optax.GradientTransformation:
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=self.learning_rate,
+            warmup_steps=min(self.warmup_steps, max(self.train_steps - 1, 1)),
+            decay_steps=max(self.train_steps, 2),
+            end_value=self.learning_rate * self.final_lr_fraction,
+        )
+        return optax.chain(
+            optax.clip_by_global_norm(self.grad_clip), optax.adamw(schedule, weight_decay=self.weight_decay)
+        )
+
+
+def split_trainable(model: CausalLM):
+    """(graphdef, trainable MTP state, frozen rest)."""
+    return nnx.split(model, nnx.PathContains("mtp"), ...)
+
+
+def draft_target_index(model: CausalLM) -> jax.Array:
+    """[V] int32: index of each token in the draft vocabulary, -1 when outside it."""
+    vocab = model.config.vocab_size
+    if model.draft_vocab is None:
+        return jnp.arange(vocab, dtype=jnp.int32)
+    return (
+        jnp.full((vocab,), -1, jnp.int32)
+        .at[model.draft_vocab[...]]
+        .set(jnp.arange(model.draft_vocab.shape[0], dtype=jnp.int32))
+    )
+
+
+class Trainer:
+    """Holds the jitted train step (compiled once per batch shape) and the optimizer for one model."""
+
+    def __init__(self, model: CausalLM, cfg: TrainConfig):
+        self.cfg = cfg
+        self.graphdef, params, self.frozen = split_trainable(model)
+        self.params = jax.tree.map(jnp.copy, params)  # owned: donation must not free buffers the caller shares
+        self.optimizer = cfg.optimizer()
+        self.opt_state = self.optimizer.init(self.params)
+        self.step = 0
+        self.weights = jnp.asarray(loss_weights(cfg.num_steps, cfg.beta))
+        self.target_index = draft_target_index(model)
+        self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+
+    def _step_fn(self, params, opt_state, frozen, batch: Batch):
+        def objective(params):
+            model = nnx.merge(self.graphdef, params, frozen)
+            losses, accuracies, counts = step_losses(
+                model, batch, self.cfg.num_steps, self.target_index, self.cfg.objective
+            )
+            return jnp.sum(self.weights * losses), (losses, accuracies, counts)
+
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        metrics = {"loss": loss, **dict(zip(("ce", "acc", "n"), aux, strict=True))}
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    def train_step(self, batch: Batch) -> dict:
+        self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, self.frozen, batch)
+        self.step += 1
+        return metrics
+
+    def model(self) -> CausalLM:
+        return nnx.merge(self.graphdef, self.params, self.frozen)
+
+    def nonfinite(self) -> list[str]:
+        """The trainable parameters holding a NaN or an infinity (a diverged run), by path."""
+        flat = nnx.to_flat_state(self.params)
+        return ["/".join(map(str, path)) for path, var in flat if not bool(jnp.all(jnp.isfinite(var[...])))]
+
+    # Checkpoints: params and optimizer state as flat leaf lists (restored into this trainer's structures).
+    def save(self, directory: str) -> None:
+
+        state = {"params": jax.tree.leaves(self.params), "opt": jax.tree.leaves(self.opt_state)}
+        with ocp.CheckpointManager(os.path.abspath(directory), options=_manager_options()) as manager:
+            manager.save(self.step, args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()
+
+    def restore(self, directory: str) -> bool:
+        """Restore the latest checkpoint in `directory`; False when there is none."""
+
+        with ocp.CheckpointManager(os.path.abspath(directory), options=_manager_options()) as manager:
+            step = manager.latest_step()
+            if step is None:
+                return False
+            target = {"params": jax.tree.leaves(self.params), "opt": jax.tree.leaves(self.opt_state)}
+            state = manager.restore(step, args=ocp.args.StandardRestore(target))
+        self.params = jax.tree.unflatten(jax.tree.structure(self.params), state["params"])
+        self.opt_state = jax.tree.unflatten(jax.tree.structure(self.opt_state), state["opt"])
+        self.step = step
+        return True
+
+
+def _manager_options():
+
+    # A save cut short by a kill stays a temporary folder (never a checkpoint); the next manager removes it.
+    return ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _trunk_hidden(graphdef, params, tokens):
+    model: CausalLM = nnx.merge(graphdef, params)
+    batch, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
+    cache = model.new_cache(batch, 1)
+    return model.trunk(tokens, positions, cache)[0]
+
+
+class SequenceData:
+    """Token sequences (prompt + response), padded to `width`, with the frozen trunk's hiddens computed once."""
+
+    def __init__(self, model: CausalLM, records: list[dict], width: int, chunk: int = 8, progress=None):
+        count = len(records)
+        self.tokens = np.zeros((count, width), np.int32)
+        self.lengths = np.zeros((count,), np.int32)
+        self.loss_start = np.zeros((count,), np.int32)
+        for i, record in enumerate(records):
+            ids = record["token_ids"][:width]
+            self.tokens[i, : len(ids)] = ids
+            self.lengths[i] = len(ids)
+            self.loss_start[i] = min(record.get("prompt_len", 0), len(ids))
+        graphdef, params = nnx.split(model)
+        self.hidden = np.zeros((count, width, model.config.hidden_size), np.dtype(model.dtype))
+        for start in range(0, count, chunk):
+            rows = self.tokens[start : start + chunk]
+            padded = np.zeros((chunk, width), np.int32)
+            padded[: len(rows)] = rows  # fixed shape: one compile
+            self.hidden[start : start + len(rows)] = np.asarray(_trunk_hidden(graphdef, params, padded))[: len(rows)]
+            if progress is not None:
+                progress(len(rows))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, step: int, batch_size: int, seed: int) -> Batch:
+        """The batch of training step `step`: a seeded permutation per epoch, so a resumed run sees the same data."""
+        per_epoch = max(len(self) // batch_size, 1)
+        epoch, index = divmod(step, per_epoch)
+        order = np.random.default_rng([seed, epoch]).permutation(len(self))
+        rows = order[index * batch_size : (index + 1) * batch_size]
+        if len(rows) < batch_size:
+            rows = np.resize(order, batch_size)
+        return Batch(
+            tokens=jnp.asarray(self.tokens[rows]),
+            hidden=jnp.asarray(self.hidden[rows]),
+            lengths=jnp.asarray(self.lengths[rows]),
+            loss_start=jnp.asarray(self.loss_start[rows]),
+        )
+
+
+def read_records(path: str) -> list:
+    """The JSON values of a JSONL file's non-blank lines; a line that is not UTF-8 JSON is refused by number."""
+    records = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+                if line.strip():
+                    records.append(json.loads(line))
+            except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+                raise UserError(f"{path}:{number}: not a line of UTF-8 JSON ({e})") from None
+    return records
+
+
+def check_sequences(records: list, vocab_size: int, path: str) -> None:
+    """Refuse, by line, a record that is not {"token_ids": [ids in the vocabulary], "prompt_len": n >= 0}: an id
+    outside [0, vocab_size) would index past the embedding and train the head to NaN."""
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    for number, record in enumerate(records, 1):
+        ids = record.get("token_ids") if isinstance(record, dict) else None
+        if not isinstance(ids, list) or not ids or not all(integer(t) for t in ids):
+            raise UserError(f"{path}: record {number}: token_ids must be a non-empty list of integers")
+        if not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise UserError(f"{path}: record {number}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        prompt_len = record.get("prompt_len", 0)
+        if not integer(prompt_len) or prompt_len < 0:
+            raise UserError(f"{path}: record {number}: prompt_len must be an integer >= 0, got {prompt_len!r}")
+
+
+def frequent_tokens(records: list[dict], vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent response tokens of the data (ties by id), sorted by id: a draft vocabulary."""
+    counts = np.zeros(vocab_size, np.int64)
+    for record in records:
+        response = record["token_ids"][record.get("prompt_len", 0) :]
+        np.add.at(counts, np.asarray(response, np.int64), 1)
+    ranked = np.lexsort((np.arange(vocab_size), -counts))[:size]
+    return np.sort(ranked).astype(np.int32)
+
+
+def init_head_from_trunk(model: CausalLM, key: jax.Array) -> None:
+    """Start the MTP block's L layers from the trunk's last L (of the trunk's last segment: the MTP layer's kind;
+    weights the trunk holds quantized start the head dequantized, in the model's dtype: a head trains in floats),
+    its final norm from the trunk's, the fusion projection random (std 1/sqrt(2D)), fusion norms at one."""
+    count = model.config.mtp.block_layers
+    is_quantized = lambda a: isinstance(a, QuantizedArray)
+    last = jax.tree.map(lambda a: dense(a)[-count:], nnx.state(model.segments[-1].layers), is_leaf=is_quantized)
+    nnx.update(model.mtp.block.layers, last)
+    model.mtp.final_norm.scale[...] = jnp.copy(model.final_norm.scale[...])
+    d = model.config.hidden_size
+    model.mtp.proj[...] = (jax.random.normal(key, (2 * d, d)) / np.sqrt(2 * d)).astype(model.mtp.proj.dtype)
+    model.mtp.token_norm.scale[...] = jnp.ones_like(model.mtp.token_norm.scale[...])
+    model.mtp.hidden_norm.scale[...] = jnp.ones_like(model.mtp.hidden_norm.scale[...])
+
+
+# A decoder layer with these at zero adds nothing to its residual stream: the identity.
+RESIDUAL_OUTPUTS = ("o_proj", "o_bias", "down_proj", "down_bias", "expert_down")
+
+
+def grow_head(model: CausalLM, head: nnx.State) -> None:
+    """Give `model` (its head just built by `init_head_from_trunk`) the MTP parameters `head` holds, for a block of
+    fewer layers: `head`'s layers come first, and each added one keeps its start from the trunk with its residual
+    outputs at zero, so the grown head drafts exactly as `head` did until training moves them."""
+    current = dict(nnx.to_flat_state(nnx.state(model, nnx.PathContains("mtp"))))
+    updates = []
+    for path, var in nnx.to_flat_state(head):
+        value = var[...]
+        if path[:3] == ("mtp", "block", "layers"):
+            grown = current[path][...]  # [L, ...] against the kept head's [L0, ...]
+            if path[-1] in RESIDUAL_OUTPUTS:
+                grown = jnp.zeros_like(grown)
+            value = grown.at[: value.shape[0]].set(value)
+        updates.append((path, var.replace(value)))
+    nnx.update(model, nnx.from_flat_state(updates))

@@ -1,0 +1,187 @@
+"""A small pass's routed experts read only the experts it uses (kernels/routed_kernel.py): the Pallas kernel (in
+Pallas' interpreter here; tests/plan/test_plan.py compiles it through Mosaic for a TPU topology) and XLA's gathered form
+against a float64 reference of each row through its own experts, greedy decoding through the kernel against every
+expert on every row, and the routed floor's expectation against exact enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mtp_jax
+from mtp_jax.families.registry import model_config_from_hf, tiny_configs
+from mtp_jax.kernels import routed_kernel
+from mtp_jax.ops import dispatch
+from mtp_jax.plan import routed_floor
+from mtp_jax.quant import fp8, int8, loop_weights, quantized_array
+from tests.support.prompts import padded_prompts
+
+L, E, D, F = 3, 8, 128, 256
+
+
+def _stacks(rng, dtype=jnp.float32):
+    """gate, up [L, E, D, F] and down [L, E, F, D] with random values."""
+    w = lambda *shape: jnp.asarray(rng.normal(size=shape) / 10, dtype)
+    return w(L, E, D, F), w(L, E, D, F), w(L, E, F, D)
+
+
+def _every_expert(x, weights, ids, layer, stacks):
+    """The reference, in float64 numpy: each row's picks of this shard's experts (ids in [0, E)) through their own
+    expert of layer `layer` of the (dequantized) stacks, weighted and summed."""
+    gate, up, down = (np.asarray(quantized_array.dense(s)[layer], np.float64) for s in stacks)
+    x, weights, ids = np.asarray(x, np.float64), np.asarray(weights, np.float64), np.asarray(ids)
+    out = np.zeros((x.shape[0], down.shape[-1]))
+    for m, o in np.ndindex(ids.shape):
+        e = ids[m, o]
+        if 0 <= e < gate.shape[0]:
+            g, u = x[m] @ gate[e], x[m] @ up[e]
+            out[m] += weights[m, o] * ((g / (1 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+ROUTINGS = {  # local ids [M, O] (out of [0, E): another shard's expert)
+    "one row": [[3, 6]],
+    "rows share experts, most unused": [[1, 5], [5, 2], [1, 2], [7, 1], [2, 5]],
+    "all rows on one expert": [[4, -1], [4, 9], [4, 12]],
+    "every expert used": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "no expert of this shard": [[-3, 8], [11, 9]],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("routing", ROUTINGS, ids=list(ROUTINGS))
+@pytest.mark.parametrize("form", ["kernel", "gathered"])
+def test_routed_forms_match_every_expert(routing, form):
+    rng = np.random.default_rng(len(routing))
+    ids = jnp.asarray(ROUTINGS[routing], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(ids.shape[0], D)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=ids.shape), jnp.float32)
+    stacks = _stacks(rng)
+    layer = jnp.int32(2)  # past the first: the kernel's fetch starts at the layer's experts
+    if form == "kernel":
+        out = routed_kernel.routed_experts_kernel(x, weights, ids, layer, *stacks, interpret=True)
+    else:
+        out = routed_kernel.gathered_experts(x, weights, ids, layer, *stacks)
+    want = _every_expert(x, weights, ids, 2, stacks)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    if routing == "no expert of this shard":
+        assert not np.any(np.asarray(out))
+
+
+def _quantized(rng, form: str):
+    """int8 with a scale per output channel, or float8 in 128 x 128 blocks spread over the outputs (as the decode
+    loop holds them: loop_weights.loop_weight)."""
+    stacks = _stacks(rng)
+    out = []
+    for s, contracting in zip(stacks, (2, 2, 2), strict=True):
+        if form == "int8":
+            out.append(int8.quantize_int8(s, (contracting,)))
+        else:
+            w = fp8.quantize_fp8(s, (contracting,), batched=(0, 1))
+            out.append(loop_weights.spread_output_scales(w, (*w.scales.shape[:-1], w.shape[-1])))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["int8", "fp8"])
+def test_the_kernel_reads_quantized_experts_as_stored(form):
+    rng = np.random.default_rng(7)
+    stacks = _quantized(rng, form)
+    assert all(routed_kernel.supports(s) for s in stacks)
+    ids = jnp.asarray(ROUTINGS["rows share experts, most unused"], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(ids.shape[0], D)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=ids.shape), jnp.float32)
+    out = routed_kernel.routed_experts_kernel(x, weights, ids, jnp.int32(1), *stacks, interpret=True)
+    np.testing.assert_allclose(out, _every_expert(x, weights, ids, 1, stacks), rtol=2e-5, atol=2e-5)
+
+
+def test_a_kernel_that_reads_the_wrong_layer_fails_the_comparison():
+    """The comparison above can fail: layer 1's experts read where layer 2's were asked for."""
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(ROUTINGS["rows share experts, most unused"], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(ids.shape[0], D)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=ids.shape), jnp.float32)
+    stacks = _stacks(rng)
+    out = routed_kernel.routed_experts_kernel(x, weights, ids, jnp.int32(1), *stacks, interpret=True)
+    assert np.abs(np.asarray(out - _every_expert(x, weights, ids, 2, stacks))).max() > 1e-2
+
+
+@pytest.mark.slow
+def test_used_experts_lists_each_used_expert_once_then_repeats_the_last():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        rows, picks = rng.integers(1, 6), rng.integers(1, 4)
+        ids = rng.integers(-2, E + 2, size=(rows, picks))
+        slots = routed_kernel.slots_for(rows, picks, E)
+        used, count = routed_kernel.used_experts(jnp.asarray(ids, jnp.int32), E, slots)
+        want = sorted({int(i) for i in ids.reshape(-1) if 0 <= i < E})
+        assert int(count) == len(want) and list(np.asarray(used)[: len(want)]) == want
+        if want:
+            assert set(np.asarray(used)[len(want) :].tolist()) <= {want[-1]}  # the fetched block, not fetched again
+
+
+def _enumerated(rows: int, picks: int, total: int, local: int) -> float:
+    """Expected distinct experts among the first `local`: every rows-tuple of pick sets, counted."""
+    sets = list(itertools.combinations(range(total), picks))
+    used = sum(len({e for s in choice for e in s if e < local}) for choice in itertools.product(sets, repeat=rows))
+    return used / len(sets) ** rows
+
+
+@pytest.mark.parametrize("rows,picks,total,local", [(1, 2, 6, 3), (2, 2, 5, 5), (3, 1, 4, 2), (2, 3, 6, 2)])
+def test_the_routed_floor_expectation_matches_enumeration(rows, picks, total, local):
+    want = _enumerated(rows, picks, total, local)
+    assert math.isclose(routed_floor.expected_experts(rows, picks, total, local), want, rel_tol=1e-12)
+
+
+def test_the_dispatch_picks_the_routed_form_for_small_passes():
+    """On a CPU: XLA's gathered form where copying the used experts costs less than reading them all (3 U < E),
+    every expert elsewhere and under batch-invariant decoding (its fixed order)."""
+    stacks = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((1, 64, D, F), (1, 64, D, F), (1, 64, F, D)))
+    pick = lambda rows, invariant=False: _picked(rows, stacks, invariant)
+    assert pick(1) == routed_kernel.GATHER  # 8 slots of 64 experts
+    assert pick(2) == routed_kernel.GATHER
+    assert pick(3) is None  # 24 slots: 72 >= 64
+    assert pick(1, invariant=True) is None
+
+
+def _picked(rows, stacks, invariant):
+    x = jax.ShapeDtypeStruct((rows, D), jnp.float32)
+    ids = jax.ShapeDtypeStruct((rows, 8), jnp.int32)
+    with dispatch.tracing(invariant):
+        found = dispatch.experts_implementation(x, ids, *stacks, manual=True)
+    return None if found is None else found.name
+
+
+@pytest.mark.slow
+def test_greedy_decoding_through_the_kernel_is_every_experts(monkeypatch):
+    """A tiny DeepSeek-V3 (16 experts, 4 picks), batch 4 of mixed prompt lengths: greedy decoding with every small
+    pass through the kernel (Pallas' interpreter, made available on this CPU) gives the tokens of every expert on
+    every row, plain and with 2 drafts a round."""
+    cfg = model_config_from_hf(tiny_configs()["deepseek_v3"]).replace(eos_token_ids=())
+    model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(0))
+    lens = np.array([3, 9, 1, 6], np.int32)
+    prompts = padded_prompts(3, lens, cfg.vocab_size)
+
+    def decode(k: int):
+        jax.clear_caches()
+        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=12)
+        return np.asarray(mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg).tokens)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "_EXPERTS", [])  # no routed form: every expert on every row
+        every_expert = decode(0)
+    patch_kernel = [i for i in dispatch._EXPERTS if i.name == routed_kernel.PALLAS]
+    monkeypatch.setattr(dispatch, "_EXPERTS", patch_kernel)
+    monkeypatch.setitem(dispatch._AVAILABLE, routed_kernel.PALLAS, lambda platform: True)
+    ran = []
+    run = routed_kernel.routed_experts_kernel
+    monkeypatch.setattr(routed_kernel, "routed_experts_kernel", lambda *a, **k: ran.append(1) or run(*a, **k))
+    np.testing.assert_array_equal(decode(0), every_expert)
+    np.testing.assert_array_equal(decode(2), every_expert)
+    assert ran  # the passes went through the kernel

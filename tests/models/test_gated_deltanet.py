@@ -1,0 +1,222 @@
+"""The gated DeltaNet layer (Qwen3-Next fused projections, Qwen3.5 split ones) against transformers' PyTorch modules
+on tiny random configs, float32: the chunked and recurrent delta rules against transformers' reference functions,
+the whole layer without a cache, cached decode token by token (outputs and conv / recurrent states), the per-position
+states of a verify block, continuing a prefill, and right-padded prefill rows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
+
+from mtp_jax.families import qwen_hybrid_layout as layout
+from mtp_jax.models.gated_deltanet import (
+    CHUNK,
+    DeltaNetState,
+    GatedDeltaNet,
+    GatedDeltaNetConfig,
+    chunked_delta_rule,
+    l2_normalize,
+    recurrent_delta_rule,
+    unit_lower_inverse,
+)
+from mtp_jax.params.transforms import DepthwiseConv
+from tests.support.parity_helpers import normal_inputs, state_dict_numpy, to_numpy
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+HIDDEN = 32
+# qwen3_next: 2 value heads per key head, conv width 4; qwen3_5: 3 value heads per key head, conv width 3.
+SHAPES = {
+    "qwen3_next": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=6, linear_conv_kernel_dim=4),
+    "qwen3_5": dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=4,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=3),
+}  # fmt: skip
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
+
+def _hf_config(family: str):
+    common = dict(
+        hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, vocab_size=16, intermediate_size=16, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    if family == "qwen3_next":
+        return Qwen3NextConfig(**common, **SHAPES[family], num_experts=0)
+    return Qwen3_5TextConfig(**common, **SHAPES[family])
+
+
+def _ours(hf_layer: torch.nn.Module, cfg: GatedDeltaNetConfig, family: str) -> GatedDeltaNet:
+    """Our layer holding the torch layer's weights, through the converter's layout functions."""
+    sd = state_dict_numpy(hf_layer)
+    ours = GatedDeltaNet(cfg, HIDDEN, dtype=jnp.float32, rngs=None)
+    if family == "qwen3_next":
+        qkv, z = layout.fused_qkvz(sd["in_proj_qkvz.weight"], cfg)
+        b, a = layout.fused_ba(sd["in_proj_ba.weight"], cfg)
+    else:
+        qkv, z = sd["in_proj_qkv.weight"].T, layout.split_z(sd["in_proj_z.weight"], cfg)
+        b, a = sd["in_proj_b.weight"].T, sd["in_proj_a.weight"].T
+    values = {
+        "in_proj_qkv": qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": a,
+        "conv": DepthwiseConv()(sd["conv1d.weight"], None), "out_proj": layout.out_proj(sd["out_proj.weight"], cfg),
+        "dt_bias": sd["dt_bias"], "A_log": sd["A_log"],
+    }  # fmt: skip
+    for name, value in values.items():
+        getattr(ours, name)[...] = jnp.asarray(value)
+    ours.norm.scale[...] = jnp.asarray(sd["norm.weight"])
+    return ours
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def layers(request):
+    """(transformers' config, its layer with random weights, ours with the same weights, our config)."""
+    family = request.param
+    hf_cfg = _hf_config(family)
+    torch.manual_seed(0)
+    hf_layer = (hf_next.Qwen3NextGatedDeltaNet if family == "qwen3_next" else Qwen3_5GatedDeltaNet)(hf_cfg, 0)
+    with torch.no_grad():
+        for p in hf_layer.parameters():
+            p.normal_(0.0, 0.3)
+        hf_layer.A_log.uniform_(-2.0, 1.0)  # decays from mild to strong
+    cfg = GatedDeltaNetConfig(
+        num_key_heads=hf_cfg.linear_num_key_heads,
+        num_value_heads=hf_cfg.linear_num_value_heads,
+        key_head_dim=hf_cfg.linear_key_head_dim,
+        value_head_dim=hf_cfg.linear_value_head_dim,
+        conv_kernel=hf_cfg.linear_conv_kernel_dim,
+        norm_eps=hf_cfg.rms_norm_eps,
+    )
+    return hf_cfg, hf_layer.eval(), _ours(hf_layer, cfg, family), cfg
+
+
+def _j(t: torch.Tensor) -> jnp.ndarray:
+    return jnp.asarray(to_numpy(t))
+
+
+def _close(ours, ref, **tol) -> None:
+    ref = to_numpy(ref) if isinstance(ref, torch.Tensor) else ref
+    np.testing.assert_allclose(np.asarray(ours), ref, **(tol or TOL))
+
+
+@nnx.jit
+def _prefill(layer: GatedDeltaNet, x, state, lengths):
+    return layer.prefill(x, state, lengths)
+
+
+@nnx.jit
+def _verify(layer: GatedDeltaNet, x, state):
+    return layer.verify(x, state)
+
+
+def _hf_state(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' cached (conv [B, C, W] -> our [B, W-1, C], recurrent [B, N, H, Y]) of layer 0."""
+    return cache.get_conv_state(0)[..., 1:].transpose(1, 2), cache.get_recurrent_state(0)
+
+
+@pytest.mark.parametrize("size", [1, 4, 13, CHUNK])
+def test_unit_lower_inverse_matches_numpy(size):
+    """Block-doubling inverse of 1 + strictly_lower(a) against numpy's, over sizes that are and are not powers of
+    two; what lies on and above the diagonal of a is never read."""
+    a = np.random.default_rng(size).uniform(-0.5, 0.5, size=(3, size, size)).astype(np.float32)
+    expected = np.linalg.inv(np.eye(size) + np.tril(a.astype(np.float64), -1))
+    _close(jax.jit(unit_lower_inverse)(jnp.asarray(a)), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_delta_rules_match_transformers_references():
+    """Both rules from a nonzero state over 2.2 chunks, grouped heads (3 value heads per key head)."""
+    rng = np.random.default_rng(1)
+    b, t, k, n, h, y = 2, 2 * CHUNK + 13, 2, 6, 8, 5
+    q, key = (torch.from_numpy(rng.normal(size=(b, t, k, h)).astype(np.float32)) for _ in range(2))
+    v = torch.from_numpy(rng.normal(size=(b, t, n, y)).astype(np.float32))
+    g = torch.from_numpy(-rng.uniform(0.0, 0.5, size=(b, t, n)).astype(np.float32))
+    beta = torch.from_numpy(rng.uniform(0.0, 1.0, size=(b, t, n)).astype(np.float32))
+    state = torch.from_numpy(rng.normal(size=(b, n, h, y)).astype(np.float32))
+    args = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    chunk_out, chunk_state = hf_next.torch_chunk_gated_delta_rule(q, key, v, g=g, beta=beta, **args)
+    step_out, step_state = hf_next.torch_recurrent_gated_delta_rule(q, key, v, g=g, beta=beta, **args)
+
+    q_ours, k_ours = (jnp.repeat(l2_normalize(_j(a)), n // k, axis=2) for a in (q, key))
+    rule_args = (q_ours / np.sqrt(h), k_ours, _j(v), _j(g), _j(beta), _j(state))
+    out, final = jax.jit(chunked_delta_rule)(*rule_args)
+    _close(out, chunk_out)
+    _close(final, chunk_state)
+    out, states = jax.jit(recurrent_delta_rule)(*rule_args)
+    _close(out, step_out)
+    _close(states[:, -1], step_state)
+    _close(out, chunk_out)  # the two forms agree with each other as well
+
+
+@pytest.mark.slow
+def test_prefill_decode_and_verify_states(layers):
+    """transformers with its cache: prefill 70 tokens (a chunk, then a padded one), then 4 tokens one at a time.
+    Ours: the same prefill (chunked), then the 4 tokens as one verify block (recurrent): its outputs, and its state
+    after each position, equal torch's per step; keeping the state at a row's accepted index, or the old state for a
+    row that is done, gives those states exactly. Continuing a prefill with the 4 tokens, and one prefill of all 74,
+    end where torch does."""
+    hf_cfg, hf_layer, ours, cfg = layers
+    prompt, block = CHUNK + 6, 4
+    x = normal_inputs(3, (2, prompt + block, HIDDEN))
+    cache = DynamicCache(config=hf_cfg)
+    ref_states, ref_outs = [], []
+    with torch.no_grad():
+        ref_prefill = hf_layer(x[:, :prompt], cache_params=cache)
+        prefill_state = [s.clone() for s in _hf_state(cache)]
+        for i in range(prompt, prompt + block):
+            ref_outs.append(hf_layer(x[:, i : i + 1], cache_params=cache))
+            ref_states.append([s.clone() for s in _hf_state(cache)])
+    ref_block = torch.cat(ref_outs, dim=1)
+
+    zeros = DeltaNetState.zeros(2, cfg, jnp.float32)
+    out, state = _prefill(ours, _j(x[:, :prompt]), zeros, jnp.array([prompt, prompt]))
+    _close(out, ref_prefill)
+    _close(state.conv, prefill_state[0])
+    _close(state.recurrent, prefill_state[1])
+
+    out, per_position = _verify(ours, _j(x[:, prompt:]), state)
+    per_position = jax.tree.map(np.asarray, per_position)  # sliced below: numpy, no small compiles
+    _close(out, ref_block)
+    assert per_position.conv.shape == (2, block, cfg.conv_kernel - 1, cfg.conv_dim)
+    for i, (conv, recurrent) in enumerate(ref_states):
+        _close(per_position.conv[:, i], conv)
+        _close(per_position.recurrent[:, i], recurrent)
+
+    accepted = jnp.array([1, 3])  # row 0 keeps the state after 2 tokens; row 1 is done and keeps the old one
+    kept = per_position.at(accepted).keep_where(jnp.array([False, True]), state)
+    _close(kept.recurrent[0], ref_states[1][1][0])
+    _close(kept.conv[0], ref_states[1][0][0])
+    np.testing.assert_array_equal(np.asarray(kept.recurrent[1]), np.asarray(state.recurrent[1]))
+    np.testing.assert_array_equal(np.asarray(kept.conv[1]), np.asarray(state.conv[1]))
+
+    continued_out, continued = _prefill(ours, _j(x[:, prompt:]), state, jnp.array([block, block]))
+    _close(continued_out, ref_block)
+    _close(continued.conv, ref_states[-1][0])
+    _close(continued.recurrent, ref_states[-1][1])
+    whole_out, whole = _prefill(ours, _j(x), zeros, jnp.array([prompt + block] * 2))
+    _close(whole_out[:, -block:], ref_block)
+    _close(whole.conv, ref_states[-1][0])
+    _close(whole.recurrent, ref_states[-1][1])
+
+
+@pytest.mark.slow
+def test_right_padded_prefill_keeps_each_rows_state(layers):
+    """Rows of 2 and 4 valid tokens padded to 4 (2 is shorter than the conv state): each row's state is torch's
+    after its own tokens only."""
+    hf_cfg, hf_layer, ours, cfg = layers
+    lengths = (2, 4)
+    x = normal_inputs(4, (2, max(lengths), HIDDEN))
+    _, state = _prefill(ours, _j(x), DeltaNetState.zeros(2, cfg, jnp.float32), jnp.array(lengths))
+    for row, length in enumerate(lengths):
+        cache = DynamicCache(config=hf_cfg)
+        with torch.no_grad():
+            hf_layer(x[row : row + 1, :length], cache_params=cache)
+        conv, recurrent = _hf_state(cache)
+        _close(state.conv[row], conv[0])
+        _close(state.recurrent[row], recurrent[0])
