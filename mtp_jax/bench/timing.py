@@ -42,8 +42,8 @@ class OursRun:
     def result(self, walls: list[float]) -> tuple[dict, np.ndarray]:
         out, wall, memory = self.out, min(walls), self.compiled.memory_bytes()
         tokens = int(np.sum(out.lengths))
-        summary = summarize(add(None, out.stats), num_draft=self.cfg.num_draft, wall=wall, generated_tokens=tokens,
-                            compile_seconds=self.compile_seconds)  # fmt: skip
+        summary = summarize(add(None, out.stats), num_draft=self.cfg.num_draft, tree=self.cfg.tree, wall=wall,
+                            generated_tokens=tokens, compile_seconds=self.compile_seconds)  # fmt: skip
         del summary["device"], summary["num_draft"]
         return {**summary, "walls": walls, **per_round(wall, min(self.prefill_walls), summary["rounds"]),
                 "memory_mb": None if memory is None else memory / 2**20}, np.asarray(out.tokens)  # fmt: skip
@@ -63,7 +63,8 @@ def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
 
 
 def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peers=()):
-    """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then the peers
+    """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then draft
+    trees of each budget in args.tree (as deep as the largest k), then the peers
     (`peers`: (name, run) pairs),
     timed in interleaved sweeps; with --split, each fixed k with its round's parts and the plain rows with their
     roofline fraction."""
@@ -85,6 +86,12 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
         cfg = DecodeConfig(num_draft=max(drafts), adaptive=True, round_costs=costs, **settings)
         adaptive = {"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), "invariant": args.invariant}
         rows.append({**adaptive, "round_costs": list(costs)})
+        runs.append(OursRun(model, ids, lens, cfg))
+    for budget in args.tree:  # draft trees, as deep as the longest chain
+        depth = max(drafts)
+        cfg = DecodeConfig(num_draft=depth, tree=budget, tree_width=args.tree_width, **settings)
+        impl = f"mtp_jax tree N={budget} W={args.tree_width}"
+        rows.append({"impl": impl, "batch": len(ids), "k": depth, "tree": budget, "invariant": args.invariant})
         runs.append(OursRun(model, ids, lens, cfg))
     for k in drafts if args.invariance_cost else ():  # the other numerics, whole decodes only
         cfg = DecodeConfig(num_draft=k, **{**settings, "invariant": not args.invariant})

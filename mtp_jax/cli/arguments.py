@@ -82,3 +82,15 @@ def check_output_path(path: str, option: str) -> None:
         raise UserError(f"{option} {path}: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"{option} {path}: cannot write in {ancestor}")
+
+
+TREE_DEPTH = 3  # a draft tree's depth (--num-draft) where --tree leaves it open
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tree N and --tree-width W: drafting a tree of N nodes instead of a chain (DecodeConfig.tree)."""
+    depth = f"--num-draft deep (default {TREE_DEPTH})"
+    tree_help = f"draft a tree of N nodes a round, {depth}, verified in one pass (0: chains)"
+    parser.add_argument("--tree", type=non_negative_int, default=0, metavar="N", help=tree_help)
+    width_help = "with --tree: nodes expanded at each depth, and children each proposes"
+    parser.add_argument("--tree-width", type=positive_int, default=4, metavar="W", help=width_help)

@@ -24,6 +24,7 @@ from mtp_jax.bench.timing import measured_bandwidth, ratio, time_batch
 from mtp_jax.cli.arguments import add_storage_arguments, positive_int
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
+from mtp_jax.decode.tree import check_tree_model
 from mtp_jax.loading import checkpoint
 from mtp_jax.loading.default_model import default_gguf_path
 from mtp_jax.loading.hub import MODEL_HELP, local_path, names_a_model
@@ -31,6 +32,7 @@ from mtp_jax.models import causal_lm
 from mtp_jax.parallel.sharding import make_mesh, shard_model
 from mtp_jax.plan.shapes import SHAPES
 from mtp_jax.quant.formats import quantize_model
+from mtp_jax.quant.int8_activations import has_int8_activations
 from mtp_jax.runtime import compile_cache
 from mtp_jax.runtime.errors import OneLineParser, UserError, run_cli
 
@@ -79,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "largest k, its round costs from the split timing (default: on with --split)")  # fmt: skip
     parser.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=DecodeConfig.invariant,
                         help="ours with batch-invariant numerics (default: as DecodeConfig)")  # fmt: skip
+    parser.add_argument("--tree", type=int_list, default=[], metavar="N,...", help="add a draft tree row for each "
+                        "node budget N, as deep as the largest --num-draft")  # fmt: skip
+    parser.add_argument("--tree-width", type=positive_int, default=4, metavar="W",
+                        help="with --tree: nodes expanded at each depth, and children each proposes")  # fmt: skip
     parser.add_argument("--invariance-cost", action="store_true", help="time ours with the other numerics too, "
                         "for every k, in the same sweeps (rows marked 'invariant' or 'default numerics')")  # fmt: skip
     parser.add_argument("--mesh", help="shard ours over D*M*E devices (the first ones; all of them in a multi-process "
@@ -160,6 +166,7 @@ def run(args) -> dict:
     if not model.config.has_mtp and drafts != [0]:
         drafts = [0]
         notes.append("the model has no MTP head: k > 0 skipped")
+    check_trees(args, model, max(drafts))
     prompts = read_prompts(args, model, tokenizer)
     dtype = np.dtype(model.dtype).name
     peer = load_peer(peer_path, dtype) if peer_path else None
@@ -194,6 +201,19 @@ def run(args) -> dict:
     meta = metadata(args, label, dtype, notes)
     meta["copy_bandwidth_gb_s"] = None if bandwidth is None else bandwidth / 1e9
     return {"meta": meta, "rows": rows}
+
+
+def check_trees(args, model, depth: int) -> None:
+    """A clear line for --tree budgets that cannot run here (DecodeConfig's checks, speculative's model checks)."""
+    for budget in args.tree:
+        try:
+            invariant = args.invariant or has_int8_activations(model)  # as `speculative.generate` decodes it
+            cfg = DecodeConfig(num_draft=depth, tree=budget, tree_width=args.tree_width, invariant=invariant)
+            if depth == 0:
+                raise ValueError("a draft tree needs --num-draft >= 1 (its depth) and a model with an MTP head")
+            check_tree_model(model, cfg)
+        except ValueError as e:
+            raise UserError(f"--tree {budget}: {e}") from None
 
 
 def llama_cpp_peer(args, peer_path: str | None, prompts, notes: list[str]):

@@ -17,8 +17,10 @@ import time
 import jax
 
 from mtp_jax.cli.arguments import (
+    TREE_DEPTH,
     add_distributed_arguments,
     add_storage_arguments,
+    add_tree_arguments,
     check_output_path,
     float_list,
     non_negative_int,
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-draft", type=non_negative_int, help="drafts per round (default with a head: 1 on a CPU, 3 elsewhere)"
     )
     parser.add_argument("--no-mtp", action="store_true", help="plain decoding through the same loop (k = 0)")
+    add_tree_arguments(parser)
     parser.add_argument("--adaptive", action="store_true", help="each round drafts 0..K tokens (K = --num-draft), "
                         "chosen on device from running acceptance and --round-costs")  # fmt: skip
     parser.add_argument("--round-costs", type=float_list, metavar="C0,...,CK", help="with --adaptive: time of a "
@@ -85,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 def choose_num_draft(args, has_mtp: bool) -> int:
     if args.no_mtp:
         return 0
+    if args.tree and args.num_draft is None:
+        args.num_draft = TREE_DEPTH
     if args.num_draft is not None:
         if args.num_draft > 0 and not has_mtp:
             raise UserError("this model has no MTP head: use --no-mtp (or --num-draft 0)")
@@ -105,6 +110,8 @@ def run(args) -> int:
         raise UserError(f"{args.model}: no such model file or folder")
     if args.round_costs is not None and not args.adaptive:
         raise UserError("--round-costs goes with --adaptive")
+    if args.tree and args.no_mtp:
+        raise UserError("--tree drafts with the MTP head: not with --no-mtp")
     if args.resume and not args.out:
         raise UserError("--resume goes with --out")
     for option, path in (("--out", args.out), ("--stats-json", args.stats_json)):
@@ -227,6 +234,8 @@ def decode_config(args, num_draft: int) -> DecodeConfig:
             adaptive=args.adaptive,
             round_costs=args.round_costs,
             invariant=args.invariant,
+            tree=args.tree if num_draft else 0,
+            tree_width=args.tree_width,
         )
     except ValueError as e:
         raise UserError(str(e)) from None

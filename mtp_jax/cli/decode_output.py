@@ -14,8 +14,9 @@ from jax.experimental import multihost_utils
 
 from mtp_jax.runtime.errors import UserError
 
-ROW_SETTINGS = ("model", "head", "dtype", "weights", "activations", "no_mtp", "num_draft", "adaptive", "round_costs",
-                "invariant", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "no_chat")  # fmt: skip
+ROW_SETTINGS = ("model", "head", "dtype", "weights", "activations", "no_mtp", "num_draft", "tree", "tree_width",
+                "adaptive", "round_costs", "invariant", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
+                "no_chat")  # fmt: skip
 
 
 class RowOutput:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.cli.arguments import check_output_path, positive_int
+from mtp_jax.cli.arguments import add_tree_arguments, check_output_path, positive_int
 from mtp_jax.config.model import LAYER_LAYOUTS
 from mtp_jax.decode import speculative
 from mtp_jax.families.registry import family_of
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="layers as decode holds them on the target (auto: stacked on TPU, unstacked on GPU), "
                         "or stacked / unstacked")  # fmt: skip
     parser.add_argument("--acceptance", type=float_list, help="per-position acceptance A1,A2,... (default: family's)")
+    add_tree_arguments(parser)
+    parser.add_argument("--tokens-per-round", type=float, metavar="T", help="a measured mean accepted length (tokens "
+                        "per verify round, e.g. decode's stats) to project with, in place of the per-position "
+                        "acceptance's chain estimate (which stands in for a tree's)")  # fmt: skip
     parser.add_argument("--capacity-gib", type=float, help="memory per device (default: the chip's HBM)")
     parser.add_argument("--json", help="write the plan(s) as JSON here")
     parser.add_argument("--markdown", help="write the plan table as markdown here")
@@ -179,12 +183,15 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
             cache = planning.shard_bytes(step_state.cache) + (
                 planning.shard_bytes(step_state.mtp_cache) if drafts else 0
             )
-            routed = routed_floor.routed_floor_bytes(model, cache, work.batch, drafts)
+            tree = work.tree if drafts else 0
+            routed = routed_floor.routed_floor_bytes(model, cache, work.batch, drafts, tree, work.tree_width)
             steps[key] |= {"routed_floor_bytes": routed, "hbm_over_routed_floor": steps[key]["hbm_bytes"] / routed}
     if k:
         steps["mtp_round"]["over_plain_step"] = steps["mtp_round"]["projected_ms"] / steps["plain_step"]["projected_ms"]
     acceptance, source = acceptance_for(args, cfg)
     per_round = planning.tokens_per_round(acceptance, k)
+    if args.tokens_per_round is not None and k:
+        per_round, source = args.tokens_per_round, "--tokens-per-round"
     plain_ms = steps["plain_step"]["projected_ms"]
     return {
         "topology": target.name,
@@ -198,6 +205,8 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
         "prompt_len": work.prompt_len,
         "max_new_tokens": work.max_new_tokens,
         "num_draft": k,
+        "tree": work.tree if k else 0,
+        "tree_width": work.tree_width,
         "weights": args.dtype if args.weights == "auto" else args.weights,
         "layer_layout": layout,
         "compile_seconds": round(memory.pop("compile_seconds"), 1),
@@ -283,7 +292,14 @@ def run(args) -> int:
             check_output_path(path, option)  # before minutes of compiling
     cfg, name = model_config(args)
     target = topology.resolve(args.topology, args.capacity_gib)
-    work = planning.Workload(args.batch_size, args.prompt_len, args.max_new_tokens, args.num_draft)
+    work = planning.Workload(args.batch_size, args.prompt_len, args.max_new_tokens, args.num_draft, args.tree,
+                             args.tree_width)  # fmt: skip
+    try:
+        work.decode_config()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.tree and cfg.is_hybrid:
+        raise UserError(f"--tree: {name} has a recurrent (gated DeltaNet) trunk, which decodes chains")
     if cfg.max_position_embeddings < work.prompt_len + work.max_new_tokens:
         raise UserError(
             f"prompt {work.prompt_len} + budget {work.max_new_tokens} passes the model's context "

@@ -26,6 +26,10 @@ class DecodeConfig:
       weights multiply activations rounded to int8 (`quant.has_int8_activations`): a last-bit difference between a
       verify block's sums and a plain step's moves a rounded activation by a whole step, so only batch-invariant passes
       keep MTP equal to plain there.
+    tree: a draft tree's node budget N (0: a chain of num_draft drafts). Each round the MTP head expands, depth by
+      depth, the `tree_width` best nodes by path probability, down to depth num_draft, and the trunk verifies the
+      N best nodes of all it proposed in one pass (mtp_jax.decode.tree).
+    tree_width: W, the nodes expanded at each depth and the children each expansion proposes.
     """
 
     num_draft: int = 3
@@ -37,6 +41,8 @@ class DecodeConfig:
     adaptive: bool = False
     round_costs: tuple[float, ...] | None = None
     invariant: bool = False
+    tree: int = 0
+    tree_width: int = 4
 
     def __post_init__(self):
         if self.num_draft < 0:
@@ -49,7 +55,37 @@ class DecodeConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.tree:
+            self._check_tree()
         if self.round_costs is not None:
             costs, k = tuple(self.round_costs), self.num_draft
             if len(costs) != k + 1 or not all(math.isfinite(c) and c > 0 for c in costs):
                 raise ValueError(f"round_costs needs {k + 1} positive numbers (j = 0..{k}), got {costs}")
+
+    def _check_tree(self):
+        depth, width = self.num_draft, self.tree_width
+        if self.tree < 0 or width < 1:
+            raise ValueError(f"a draft tree needs tree >= 0 and tree_width >= 1, got {self.tree} and {width}")
+        if depth < 1:
+            raise ValueError("a draft tree needs num_draft >= 1: its depth")
+        if not depth <= self.tree <= tree_candidates(depth, width):
+            raise ValueError(
+                f"a tree of depth {depth} and width {width} holds {depth} to {tree_candidates(depth, width)} nodes, "
+                f"not {self.tree}"
+            )
+        if self.adaptive:
+            raise ValueError("adaptive decoding chooses among chains; it does not draft trees")
+
+    @property
+    def round_slots(self) -> int:
+        """Cache slots a round's passes write from a row's pending position on: the verify block (the pending token
+        and the drafts, or a tree's nodes), or a tree's MTP expansion passes where they are wider."""
+        if not self.tree:
+            return self.num_draft + 1
+        return max(self.tree, (self.num_draft - 1) * self.tree_width) + 1
+
+
+def tree_candidates(depth: int, width: int) -> int:
+    """The nodes a tree of `depth` and `width` proposes before the best are kept: `width` children of the root,
+    then `width` children of each of the `width` nodes expanded at every further depth."""
+    return width + (depth - 1) * width * width

@@ -34,6 +34,7 @@ from mtp_jax.models.kv_cache import KVCache
 
 class RoundKind(enum.Enum):
     DRAFT = "draft"  # j >= 1 drafts, verified in one trunk pass (every round of a loop with fixed k > 0)
+    TREE = "tree"  # a draft tree of depth j >= 1 (decode/tree.py), verified in one trunk pass
     PROBE = "probe"  # adaptive, j = 0: a plain step that still runs the MTP layer over the block (catching its
     # cache up) to score its first draft against the target's token, keeping the acceptance estimate current
     REST = "rest"  # adaptive: a plain step that skips the MTP layer and queues its hidden and token in the MTP block
@@ -42,18 +43,28 @@ class RoundKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """What one round does (static): its kind and the drafts j it verifies (>= 1 for DRAFT, else 0)."""
+    """What one round does (static): its kind, the drafts j it verifies or a tree's depth (>= 1 for DRAFT and TREE,
+    else 0), and a tree's node budget."""
 
     kind: RoundKind
     num_draft: int = 0
+    tree: int = 0
 
     def __post_init__(self):
-        if (self.kind is RoundKind.DRAFT) != (self.num_draft > 0):
+        drafting = self.kind in (RoundKind.DRAFT, RoundKind.TREE)
+        if drafting != (self.num_draft > 0):
             raise ValueError(f"a {self.kind.value} round verifies {'>= 1' if self.num_draft == 0 else 'no'} drafts")
+        if (self.kind is RoundKind.TREE) != (self.tree > 0):
+            raise ValueError("a tree round, and only one, has a node budget")
 
     @property
     def runs_mtp(self) -> bool:
-        return self.kind in (RoundKind.DRAFT, RoundKind.PROBE)
+        return self.kind in (RoundKind.DRAFT, RoundKind.PROBE, RoundKind.TREE)
+
+    @property
+    def offered(self) -> int:
+        """Drafts a row's verify pass judges: the chain's, or the tree's nodes."""
+        return self.tree or self.num_draft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +256,7 @@ def record(
         rounds=s.stats.rounds + 1,
         row_rounds=s.stats.row_rounds + jnp.sum(active),
         emitted=s.stats.emitted + jnp.sum(jnp.where(active, accepted + 1, 0)),
-        drafted=s.stats.drafted + j * jnp.sum(active),
+        drafted=s.stats.drafted + round_.offered * jnp.sum(active),
         accepted=s.stats.accepted + jnp.sum(jnp.where(active, accepted, 0)),
         reached=s.stats.reached + jnp.sum(judged, axis=0),
         accepted_at=s.stats.accepted_at + jnp.sum(passed, axis=0),

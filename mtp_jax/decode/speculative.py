@@ -30,6 +30,7 @@ from mtp_jax.decode.loop_state import DecodeStats, LoopState
 from mtp_jax.decode.prefill import prefill
 from mtp_jax.decode.rounds import Round, RoundKind, round_context, run_round
 from mtp_jax.decode.sampling import SamplingParams
+from mtp_jax.decode.tree import check_tree_model, run_tree_round
 from mtp_jax.models.cache_attention import two_rows
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import cache_slots, long_cache_shards
@@ -59,6 +60,9 @@ class GenerateOutput:
 def _round_body(model, cfg: DecodeConfig, sampling, eos):
     """The while-loop body: a round with cfg.num_draft drafts, or, adaptive, the rounds the policy picks. Where the
     round costs say no draft can pay, adaptive decoding is plain decoding."""
+    if cfg.tree:
+        round_ = Round(RoundKind.TREE, cfg.num_draft, cfg.tree)
+        return functools.partial(run_tree_round, round_context(model, cfg, sampling, eos, [round_]), round_)
     round_ = Round(RoundKind.DRAFT, cfg.num_draft) if cfg.num_draft else Round(RoundKind.PLAIN)
     if cfg.adaptive and cfg.num_draft:
         costs = cfg.round_costs or _estimated_costs(model, cfg.num_draft)
@@ -178,6 +182,8 @@ def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
         cfg = dataclasses.replace(cfg, invariant=True)
     if cfg.num_draft > 0 and not model.config.has_mtp:
         raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
+    if cfg.tree:
+        check_tree_model(model, cfg)
     rules = model.sharding_rules
     if rules is not None and prompt_ids.shape[0] % rules.axis_size("batch"):
         size = rules.axis_size("batch")

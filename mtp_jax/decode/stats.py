@@ -21,23 +21,27 @@ def summarize(
     *,
     num_draft: int,
     generated_tokens: int,
+    tree: int = 0,
     wall: float,
     compile_seconds: float,
     compile_from_cache: bool = False,
 ) -> dict:
-    """The stats JSON of `python -m mtp_jax.decode` (see the contract); `compile_from_cache`: every decode program
-    was read from the persistent compilation cache (`compile_cache`)."""
+    """The stats JSON of `python -m mtp_jax.decode` (see the contract); `tree`: a draft tree's node budget (0: chains;
+    num_draft is then its depth); `compile_from_cache`: every decode program was read from the persistent compilation
+    cache (`compile_cache`)."""
     row_rounds = max(int(counters["row_rounds"]), 1)
     drafted = int(counters["drafted"])
     reached = counters["reached"]
     per_position = [float(a / r) if r else 0.0 for a, r in zip(counters["accepted_at"], reached, strict=True)]
     return {
         "num_draft": num_draft,
+        "tree": tree,
         "rounds": int(counters["rounds"]),
         "generated_tokens": int(generated_tokens),
         "mean_accepted_length": float(counters["emitted"]) / row_rounds,
         "acceptance_rate": float(counters["accepted"]) / drafted if drafted else 0.0,
-        "acceptance_per_position": per_position,
+        "acceptance_per_position": per_position,  # by depth, for a tree
+        "mean_accepted_depth": float(counters["accepted"]) / row_rounds,  # drafts accepted per verify round
         "rounds_by_num_draft": [int(n) for n in counters["rounds_with"]],  # loop rounds that drafted j = 0..k
         "rest_rounds": int(counters["rests"]),  # adaptive: rounds of the above with j = 0 that skipped the MTP layer
         "tokens_per_second": generated_tokens / wall if wall > 0 else 0.0,
@@ -58,7 +62,7 @@ def summary_paragraph(stats: dict, num_prompts: int) -> str:
     text = (
         f"Generated {stats['generated_tokens']} tokens for {num_prompts} prompt(s) in {stats['wall_seconds']:.2f}s "
         f"({stats['tokens_per_second']:.1f} tokens/s; {setup(stats)} apart) "
-        f"on {stats['device']} with {stats['num_draft']} draft(s) per round: "
+        f"on {stats['device']} with {drafting(stats)}: "
         f"mean accepted length {stats['mean_accepted_length']:.2f} tokens per verify round"
     )
     if stats["num_draft"]:
@@ -67,6 +71,13 @@ def summary_paragraph(stats: dict, num_prompts: int) -> str:
     if stats.get("drafting"):
         text += f" Drafting chosen: {stats['drafting']}."
     return text
+
+
+def drafting(stats: dict) -> str:
+    """How rounds drafted: "3 draft(s) per round", or "a draft tree of 16 nodes, depth 3"."""
+    if stats.get("tree"):
+        return f"a draft tree of {stats['tree']} nodes, depth {stats['num_draft']}"
+    return f"{stats['num_draft']} draft(s) per round"
 
 
 def setup(stats: dict) -> str:

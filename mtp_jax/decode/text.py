@@ -185,7 +185,7 @@ def decode_batches(
         results = batch_results(batch, out, tokenizer)
         generated += sum(r.num_tokens for r in results)
         on_results(results)
-    return stats.summarize(counters, num_draft=cfg.num_draft, generated_tokens=generated, wall=wall,
+    return stats.summarize(counters, num_draft=cfg.num_draft, tree=cfg.tree, generated_tokens=generated, wall=wall,
                            compile_seconds=compile_seconds, compile_from_cache=read == len(compiled))  # fmt: skip
 
 

@@ -83,8 +83,8 @@ def stream_prompt(model: CausalLM, tokenizer, prompt: Prompt, cfg: DecodeConfig,
             on_text(piece)
     wall = time.perf_counter() - start
     result = batch_results([prompt], last, tokenizer)[0]
-    summary = stats.summarize(stats.add(None, last.stats), num_draft=cfg.num_draft, generated_tokens=result.num_tokens,
-                              wall=wall, compile_seconds=compile_seconds,
+    summary = stats.summarize(stats.add(None, last.stats), num_draft=cfg.num_draft, tree=cfg.tree,
+                              generated_tokens=result.num_tokens, wall=wall, compile_seconds=compile_seconds,
                               compile_from_cache=hits > hits_before and misses == misses_before)  # fmt: skip
     return result, summary
 

@@ -133,19 +133,31 @@ def visible_slots(slots: int, positions: jax.Array, visible_from: jax.Array | No
     return visible
 
 
+def block_visibility(block_mask: jax.Array | None, block_scores: jax.Array) -> jax.Array:
+    """Which block entries each query attends to, broadcasting against block_scores [B, ..., T, U]: causally
+    (entries at or before the query's) without `block_mask`, else `block_mask` [B, T, U] (a draft tree's: each
+    node sees its ancestors and itself, decode/tree.py)."""
+    t = block_scores.shape[-1]
+    if block_mask is None:
+        return jnp.tril(jnp.ones((t, t), bool))
+    heads = (1,) * (block_scores.ndim - 3)  # the axes between B and T
+    return block_mask.reshape(block_mask.shape[0], *heads, *block_mask.shape[1:])
+
+
 def past_and_block_probs(
     past_scores: jax.Array,  # [..., T, S] float32 scores against the cache
     block_scores: jax.Array,  # [..., T, U] float32 scores within the new block
     positions: jax.Array,  # [B, T]; the leading axis of the scores is B
     visible_from: jax.Array | None = None,  # [B]
+    block_mask: jax.Array | None = None,  # [B, T, T]: which block entries each query sees (None: causally)
 ) -> tuple[jax.Array, jax.Array]:
-    """One softmax over the visible cache slots (`visible_slots`) and, causally, the block itself; returns the two
-    parts of the probabilities."""
-    slots, t = past_scores.shape[-1], block_scores.shape[-1]
+    """One softmax over the visible cache slots (`visible_slots`) and the block entries each query sees
+    (`block_visibility`); returns the two parts of the probabilities."""
+    slots = past_scores.shape[-1]
     visible = visible_slots(slots, positions, visible_from)  # [B, S]
     visible = visible.reshape(visible.shape[:1] + (1,) * (past_scores.ndim - 2) + visible.shape[1:])
     past_scores = jnp.where(visible, past_scores, -jnp.inf)
-    block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
+    block_scores = jnp.where(block_visibility(block_mask, block_scores), block_scores, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([past_scores, block_scores], axis=-1), axis=-1)
     return probs[..., :slots], probs[..., slots:]
 
@@ -159,16 +171,23 @@ def grouped_attention(
     past_v: jax.Array | LayerSlots,  # [B, S, K, H]
     visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
     attention: str = "one_pass",  # the cache's form (ATTENTION_FORMS)
+    block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
 ) -> jax.Array:
-    """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and causally to the
-    block itself (one softmax over both, float32); chunk by chunk when the cache's form is "chunked", shard by shard
-    over one split over its slots; "invariant": the batch-invariant form (`attend_written_cache`), which needs a
-    cache of whole chunks on every shard. On a CPU with the row kernel, a decode step or verify block (at most
-    `cpu_attention.DECODE_POSITIONS` positions a row) outside batch-invariant decoding is one kernel call
-    (kernels/cpu/cpu_attention.py, through ops/dispatch.py); so is every pass under it."""
+    """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and to the block
+    entries `block_mask` lets it see (causally without one; one softmax over both, float32); chunk by chunk when the
+    cache's form is "chunked", shard by shard over one split over its slots; "invariant": the batch-invariant form
+    (`attend_written_cache`), which needs a cache of whole chunks on every shard and takes no block mask. On a CPU
+    with the row kernel, a decode step or verify block (at most `cpu_attention.DECODE_POSITIONS` positions a row)
+    outside batch-invariant decoding is one kernel call (kernels/cpu/cpu_attention.py, through ops/dispatch.py); so
+    is every pass under it. A draft tree's block (with a block mask) takes XLA's form."""
+    if attention == "invariant" and block_mask is not None:
+        raise ValueError("the batch-invariant form of attention takes no block mask (draft trees)")
     shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
-    xla_form = lambda: _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention, shards)
-    kernel = None if attention == "invariant" else attention_implementation(q, past_k, shards, whole_pass=False)
+    xla_form = lambda: _grouped_attention(
+        q, k, v, positions, past_k, past_v, visible_from, attention, shards, block_mask
+    )
+    causal_pass = attention != "invariant" and block_mask is None
+    kernel = attention_implementation(q, past_k, shards, whole_pass=False) if causal_pass else None
     if kernel is not None:
         b, t, n, h = q.shape
         queries = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
@@ -177,7 +196,9 @@ def grouped_attention(
     return xla_form()
 
 
-def _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attention: str, shards: int) -> jax.Array:
+def _grouped_attention(
+    q, k, v, positions, past_k, past_v, visible_from, attention: str, shards: int, block_mask=None
+) -> jax.Array:
     """`grouped_attention` in XLA's ops (the batch-invariant form: the CPU kernel where it takes it)."""
     invariant = attention == "invariant"
     b, t, n, h = q.shape
@@ -221,13 +242,15 @@ def _grouped_attention(q, k, v, positions, past_k, past_v, visible_from, attenti
             def block_output(probs):  # [B, K, G, T, U] -> [B, T, K, G, H]
                 return jnp.einsum("BKGTU,BUKH->BTKGH", probs.astype(q.dtype), v, preferred_element_type=f32)
 
-            out = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, slots, shards)
+            out = attend_in_chunks(
+                attend_chunk, block_scores, block_output, positions, visible_from, slots, shards, block_mask
+            )
         out = out.astype(q.dtype).reshape(b, t, n, h)
         return constrain(out, HEADS) if shards > 1 else out
     block_scores = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=f32)
     past_k, past_v = read_slots(past_k).astype(q.dtype), read_slots(past_v).astype(q.dtype)
     past_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, past_k, preferred_element_type=f32)
-    past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
+    past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from, block_mask)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", past_probs.astype(q.dtype), past_v)
     out = out + jnp.einsum("BKGTU,BUKH->BTKGH", block_probs.astype(q.dtype), v)
     return out.reshape(b, t, n, h)
@@ -252,8 +275,11 @@ def whole_chunk_runs(slots: int, shards: int) -> jax.Array:
     return jnp.arange(shards) * (slots // shards)
 
 
-def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from, slots: int, shards: int = 1):
-    """One softmax over the visible slots of a cache of whole chunks and, causally, over the block, as a running
+def attend_in_chunks(
+    attend_chunk, block_scores, block_output, positions, visible_from, slots: int, shards: int = 1, block_mask=None
+):
+    """One softmax over the visible slots of a cache of whole chunks and over the block (causally, or as
+    `block_mask` [B, T, T] says: `block_visibility`), as a running
     maximum m, normaliser (total) and unnormalised float32 output. Chunk by chunk, each skipped by `lax.cond` when it
     starts at or past every row's first query position, then the block. The loop's trip count is static, so the pass
     stays reverse-differentiable. With `shards` (M) equal runs of slots (a cache split over its slots), step j takes
@@ -274,8 +300,7 @@ def attend_in_chunks(attend_chunk, block_scores, block_output, positions, visibl
     stats_shape = block_scores.shape[:-1]  # [B, ..., T]
     m, total, acc = _chunk_loop(attend_chunk, visible, jnp.max(positions[:, 0]), slots, shards, stats_shape,
                                 probe.shape)  # fmt: skip
-    t = block_scores.shape[-1]
-    block_scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), block_scores, -jnp.inf)
+    block_scores = jnp.where(block_visibility(block_mask, block_scores), block_scores, -jnp.inf)
     m, rescale, probs = _running_max(m, block_scores)  # each query sees itself: m is finite from here on
     total = total * rescale + jnp.sum(probs, axis=-1)
     acc = acc * _per_query(rescale) + block_output(probs)

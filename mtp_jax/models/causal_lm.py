@@ -65,15 +65,27 @@ class LayerStack(nnx.Module):
         """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
         return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype, attention)
 
-    def __call__(self, x, positions, rope, cache, lengths=None, recurrent: str = "chunked", visible_from=None):
-        """x [B, T, D] through every layer; returns (x, the cache with this block's entries at `positions`).
-        `lengths` and `recurrent` concern recurrent layers only (models/hybrid_stack.py): attention caches roll
-        back by length. `visible_from` [B]: cache slots before it are not attended to (None: all are)."""
+    def __call__(
+        self, x, positions, rope, cache, lengths=None, recurrent: str = "chunked", visible_from=None, block_mask=None
+    ):
+        """x [B, T, D] through every layer; returns (x, the cache with this block's entries at slots
+        positions[:, 0] onwards, one after another). `lengths` and `recurrent` concern recurrent layers only
+        (models/hybrid_stack.py): attention caches roll back by length. `visible_from` [B]: cache slots before it
+        are not attended to (None: all are). `block_mask` [B, T, T]: the block entries each position sees (a draft
+        tree's, whose positions go by depth; None: causally)."""
         past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
 
         def run(layer, x, index):
             layer_past = [layer_entries(entries, index) for entries in past]  # a scan's: read in place
-            x, *new = layer(x, positions, rope, *layer_past, visible_from=visible_from, attention=cache.attention)
+            x, *new = layer(
+                x,
+                positions,
+                rope,
+                *layer_past,
+                visible_from=visible_from,
+                attention=cache.attention,
+                block_mask=block_mask,
+            )
             return x, tuple(new)
 
         if isinstance(self.layers, nnx.List):  # unstacked (`unstack_layers`): one call per layer, in order
@@ -120,11 +132,12 @@ class MtpModule(nnx.Module):
         rope,
         cache,  # the MTP block's cache: KVCache [L, B, S, K, H] or LatentCache [L, B, S, C], L block layers
         visible_from: jax.Array | None = None,  # [B]: cache slots before it are not attended to
+        block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each position sees (None: causally)
     ) -> tuple[jax.Array, jax.Array, object]:
         e, h = self.token_norm(token_embeds), self.hidden_norm(hidden)
         fused = jnp.concatenate([h, e] if self.hidden_first else [e, h], axis=-1)  # [B, T, 2D]
         x = project("BTE,ED->BTD", fused, self.proj.get_value())
-        x, cache = self.block(x, positions, rope, cache, visible_from=visible_from)
+        x, cache = self.block(x, positions, rope, cache, visible_from=visible_from, block_mask=block_mask)
         return x, self.final_norm(x), cache
 
 
@@ -182,19 +195,25 @@ class CausalLM(nnx.Module):
         cache,
         lengths: jax.Array | None = None,  # [B] valid tokens of right-padded rows (prefill); None: all T
         recurrent: str = "chunked",
+        block_mask: jax.Array | None = None,  # [B, T, T]: a draft tree's (decode/tree.py); None: causal
     ) -> tuple[jax.Array, object]:
         """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries.
 
         Recurrent (gated DeltaNet) states, by the `recurrent` form (models/hybrid_stack.py): "chunked" (prefill)
         ends each row after its `lengths` tokens; "every_state" (a verify block) keeps the state after every
         position until `keep_verified` picks one per row; "last_state" (a plain decode step) ends after the block.
-        Attention caches ignore both (they roll back by length)."""
+        Attention caches ignore both (they roll back by length). With `block_mask`, each position attends to the
+        cache before positions[:, 0] and to the block entries the mask names, and the block's entries go to slots
+        positions[:, 0] onwards in block order (a tree's positions go by depth); attention-only trunks."""
         with jax.named_scope("trunk"):
             x, rope = self.embed_tokens(tokens), self.rope(positions)
             updated = []
             for i, (segment, segment_cache) in enumerate(zip(self.segments, cache, strict=True)):
                 with jax.named_scope(f"segment_{i}"):
-                    x, segment_cache = segment(x, positions, rope, segment_cache, lengths, recurrent)
+                    if block_mask is None:
+                        x, segment_cache = segment(x, positions, rope, segment_cache, lengths, recurrent)
+                    else:
+                        x, segment_cache = segment(x, positions, rope, segment_cache, block_mask=block_mask)
                 updated.append(segment_cache)
             return self.final_norm(x), tuple(updated)
 
@@ -253,6 +272,7 @@ class CausalLM(nnx.Module):
         positions: jax.Array,  # [B, T]
         cache,
         visible_from: jax.Array | None = None,  # [B]
+        block_mask: jax.Array | None = None,  # [B, T, T]: a draft tree's (decode/tree.py); None: causal
     ) -> tuple[jax.Array, jax.Array, object]:
         """One MTP pass: (hidden to feed a deeper draft [B, T, D], normed hidden for logits [B, T, D], cache).
         With `visible_from`, the MTP layer attends to none of its cache slots before it (the cache of an adaptive
@@ -262,7 +282,8 @@ class CausalLM(nnx.Module):
                 embeds = self.embed_tokens(next_tokens)
             else:
                 embeds = constrain(take_rows(self.mtp.embed.get_value(), next_tokens), HIDDEN)
-            raw, normed, cache = self.mtp(hidden, embeds, positions, self.rope(positions), cache, visible_from)
+            rope = self.rope(positions)
+            raw, normed, cache = self.mtp(hidden, embeds, positions, rope, cache, visible_from, block_mask)
             return (normed if self.config.mtp.recurse_normed else raw), normed, cache
 
 

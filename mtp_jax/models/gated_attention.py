@@ -37,6 +37,7 @@ class GatedAttention(Attention):
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
         attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
+        block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         with jax.named_scope("gated_attention"):
@@ -44,6 +45,8 @@ class GatedAttention(Attention):
             k = self.k_norm(project("BTD,DKH->BTKH", x, self.k_proj.get_value()))
             v = project("BTD,DKH->BTKH", x, self.v_proj.get_value())
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, attention)
+            out = grouped_attention(
+                q * self.scale, k, v, positions, past_k, past_v, visible_from, attention, block_mask
+            )
             out = out * jax.nn.sigmoid(project("BTD,DNH->BTNH", x, self.gate_proj.get_value()))
             return project("BTNH,NHD->BTD", out, self.o_proj.get_value()), k, v

@@ -58,6 +58,24 @@ def write_slots(cache: jax.Array, entries: jax.Array, positions: jax.Array) -> j
     return run(cache, entries, positions)
 
 
+def move_slots(cache, start: jax.Array, picks: jax.Array, span: int):
+    """An attention cache (KVCache or LatentCache) whose slots start[b] + j, j < T, hold what slots
+    start[b] + picks[b, j] held (start [B]; picks [B, T], each in [0, span)): a draft tree's accepted path moved to
+    consecutive slots. Reads `span` slots and writes T per row and layer."""
+
+    def moved(stacked: jax.Array) -> jax.Array:  # [L, B, S, ...]
+        window = min(stacked.shape[2], span)
+        first = jnp.clip(start, 0, stacked.shape[2] - window)  # a window inside the cache
+        read = jax.vmap(lambda rows, at: jax.lax.dynamic_slice_in_dim(rows, at, window, axis=1), in_axes=(1, 0),
+                        out_axes=1)(stacked, first)  # [L, B, window, ...]  # fmt: skip
+        index = jnp.clip(picks + (start - first)[:, None], 0, window - 1)
+        index = index.reshape(1, *picks.shape, *(1,) * (stacked.ndim - 3))
+        entries = jnp.take_along_axis(read, index, axis=2)  # [L, B, T, ...]
+        return write_slots(stacked, entries, start[:, None] + jnp.arange(picks.shape[1]))
+
+    return jax.tree.map(moved, cache).constrained()
+
+
 def _write_rows(cache: jax.Array, entries: jax.Array, positions: jax.Array, first) -> jax.Array:
     """cache [L, B, S, ...] holding slots first .. first + S - 1, with entries [L, B, T, ...] written at `positions`
     [B, T] (contiguous per row) where they fall in it: row by row, one dynamic-update-slice of a window of min(S, T)
@@ -249,10 +267,11 @@ def decode_attention(prompt_width: int, cfg: DecodeConfig) -> str:
 
 
 def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
-    """Cache length: prompt + budget + one verify block of overhang, rounded up to a multiple of 16; for a chunked or
-    invariant form (`decode_attention`), to whole chunks on each of `shards` (M) shards of a cache split over its
-    slots (`long_cache_shards`). Chunks a row cannot see yet are skipped, so extra ones change nothing."""
-    needed = prompt_width + cfg.max_new_tokens + cfg.num_draft + 1
+    """Cache length: prompt + budget + the slots one round writes from a row's pending position on
+    (`DecodeConfig.round_slots`), rounded up to a multiple of 16; for a chunked or invariant form
+    (`decode_attention`), to whole chunks on each of `shards` (M) shards of a cache split over its slots
+    (`long_cache_shards`). Chunks a row cannot see yet are skipped, so extra ones change nothing."""
+    needed = prompt_width + cfg.max_new_tokens + cfg.round_slots
     if decode_attention(prompt_width, cfg) == "one_pass":
         return -(-needed // 16) * 16
     return -(-needed // (shards * ATTENTION_CHUNK)) * shards * ATTENTION_CHUNK

@@ -145,6 +145,7 @@ class Attention(nnx.Module):
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
         attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
+        block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
         q = project("BTD,DNH->BTNH", x, self.q_proj.get_value())
@@ -156,9 +157,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
 
-        # Attend to the cache before this block (rollback is by length: later slots are stale) and, causally,
-        # to the block itself; one softmax over both.
-        out = grouped_attention(q * self.scale, k, v, positions, past_k, past_v, visible_from, attention)  # [B,T,N,H]
+        # Attend to the cache before this block (rollback is by length: later slots are stale) and, causally (or
+        # as a draft tree's mask says), to the block itself; one softmax over both.
+        out = grouped_attention(
+            q * self.scale, k, v, positions, past_k, past_v, visible_from, attention, block_mask
+        )  # [B, T, N, H]
         out = project("BTNH,NHD->BTD", out, self.o_proj.get_value())
         if self.o_bias is not None:
             out = out + self.o_bias[...]
@@ -203,17 +206,20 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope, *past, visible_from=None, attention: str = "one_pass"):
+    def __call__(self, x, positions, rope, *past, visible_from=None, attention: str = "one_pass", block_mask=None):
         """x [B, T, D] and this layer's cache arrays -> (x, *this block's cache entries).
 
         GQA: past = (keys, values) [B, S, K, H], new keys and values [B, T, K, H]. MLA: past = (latents [B, S, C],),
         new latents [B, T, C]. `visible_from` [B]: cache slots before it are not attended to (None: all are).
         `attention`: the cache's form (models/cache_attention.py); "invariant" runs the MLP batch-invariant too.
+        `block_mask` [B, T, T]: the block entries each query sees (a draft tree's; None: causally).
         """
         x = constrain(x, HIDDEN)
         with jax.named_scope("attention"):
             normed = self.input_norm(x)
-            attn_out, *new = self.attn(normed, positions, rope, *past, visible_from=visible_from, attention=attention)
+            attn_out, *new = self.attn(
+                normed, positions, rope, *past, visible_from=visible_from, attention=attention, block_mask=block_mask
+            )
         x = x + constrain(attn_out, HIDDEN)
         with jax.named_scope("mlp"):
             invariant = attention == "invariant"

@@ -112,6 +112,7 @@ class MultiHeadLatentAttention(nnx.Module):
         absorb: bool | None = None,
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
         attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
+        block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
     ) -> tuple[jax.Array, jax.Array]:
         """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way for the block's
         length (absorbed over a cache split over its slots, and always in the invariant form, whose arithmetic may
@@ -126,12 +127,15 @@ class MultiHeadLatentAttention(nnx.Module):
             absorb = invariant or shards > 1 or self.absorbs(x.shape[1])
         if invariant and not absorb:
             raise ValueError("the batch-invariant form of latent attention attends absorbed")
+        if invariant and block_mask is not None:
+            raise ValueError("the batch-invariant form of latent attention takes no block mask (draft trees)")
         q_nope, q_rope = q_nope * self.scale, q_rope * self.scale
         if invariant:
             out = self._absorbed_invariant(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards)
         else:
             attend = self._absorbed if absorb else self._expanded
-            out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards, attention == "chunked")
+            chunked = attention == "chunked"
+            out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards, chunked, block_mask)
         return project("BTNW,NWD->BTD", out, self.o_proj.get_value()), block
 
     def _up_projections(self):
@@ -147,7 +151,9 @@ class MultiHeadLatentAttention(nnx.Module):
             kv_b = kv_b.dequantize()
         return kv_b[..., : self.nope_dim], kv_b[..., self.nope_dim :]
 
-    def _expanded(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool):
+    def _expanded(
+        self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool, block_mask=None
+    ):
         """Per-head keys and values from every latent, then ordinary attention (`chunked`: chunk by chunk, expanding
         one chunk of each of the `shards` runs of slots at a time)."""
         kv_b = self.kv_b_proj[...]
@@ -174,14 +180,16 @@ class MultiHeadLatentAttention(nnx.Module):
                 return scores, lambda probs: output(probs, values)
 
             out = attend_in_chunks(attend_chunk, block_scores, lambda probs: output(probs, block_v), positions,
-                                   visible_from, past.shape[1], shards)  # fmt: skip
+                                   visible_from, past.shape[1], shards, block_mask)  # fmt: skip
             return out.astype(dtype)
         past_scores, past_v = scores_and_values(read_slots(past))
-        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
+        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from, block_mask)
         out = jnp.einsum("BNTS,BSNW->BTNW", past_probs.astype(past_v.dtype), past_v)
         return out + jnp.einsum("BNTU,BUNW->BTNW", block_probs.astype(block_v.dtype), block_v)
 
-    def _absorbed(self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool):
+    def _absorbed(
+        self, q_nope, q_rope, past, block, positions, visible_from, dtype, shards: int, chunked: bool, block_mask=None
+    ):
         """Queries moved into latent space (q_nope . W_uk), attention over latents (`chunked`: chunk by chunk, every
         head beside each of the `shards` runs of slots), W_uv applied to the result."""
         w_uk, w_uv = self._up_projections()  # [R, N, H], [R, N, W]
@@ -206,13 +214,13 @@ class MultiHeadLatentAttention(nnx.Module):
                 )
 
             out_latent = attend_in_chunks(attend_chunk, block_scores, block_output, positions, visible_from,
-                                          past.shape[1], shards).astype(dtype)  # fmt: skip
+                                          past.shape[1], shards, block_mask).astype(dtype)  # fmt: skip
             if shards > 1:
                 out_latent = constrain(out_latent, HEADS)
             return project("BTNR,RNW->BTNW", out_latent, w_uv)
         past = read_slots(past).astype(dtype)
         past_scores = jnp.einsum("BTNC,BSC->BNTS", query, past, preferred_element_type=f32)
-        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from)
+        past_probs, block_probs = past_and_block_probs(past_scores, block_scores, positions, visible_from, block_mask)
         out_latent = jnp.einsum("BNTS,BSR->BTNR", past_probs.astype(past.dtype), past[..., :r])
         out_latent += jnp.einsum("BNTU,BUR->BTNR", block_probs.astype(block.dtype), block[..., :r])
         return project("BTNR,RNW->BTNW", out_latent, w_uv)

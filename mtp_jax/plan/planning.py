@@ -50,10 +50,15 @@ class Workload:
     prompt_len: int = 64
     max_new_tokens: int = 4096
     num_draft: int = 3
+    tree: int = 0  # a draft tree's node budget (num_draft its depth); 0: chains
+    tree_width: int = 4
 
     def decode_config(self, num_draft: int | None = None) -> DecodeConfig:
+        """Rounds of k = num_draft drafts (default the workload's), drafted as a tree when the workload's is one
+        (k > 0); k = 0: plain steps."""
         k = self.num_draft if num_draft is None else num_draft
-        return DecodeConfig(num_draft=k, max_new_tokens=self.max_new_tokens)
+        tree = self.tree if k else 0
+        return DecodeConfig(num_draft=k, max_new_tokens=self.max_new_tokens, tree=tree, tree_width=self.tree_width)
 
 
 @dataclasses.dataclass

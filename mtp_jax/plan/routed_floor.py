@@ -64,10 +64,11 @@ def parts(model) -> dict[str, float]:
     return out
 
 
-def routed_floor_bytes(model, cache_bytes: int, batch: int, num_draft: int) -> int:
+def routed_floor_bytes(model, cache_bytes: int, batch: int, num_draft: int, tree: int = 0, tree_width: int = 4) -> int:
     """Bytes per device a pass must read with routed reads: a plain step (num_draft 0: B rows through the trunk)
     or an MTP round (a verify of B (k + 1) rows, k draft passes of B rows through the MTP block, k + 1 lm_head
-    reads). Dense models: the weights and cache the pass reads, no expert part."""
+    reads; a draft tree of depth k: a verify of B (N + 1) rows, k passes through the MTP block, the j-th of
+    B j W rows). Dense models: the weights and cache the pass reads, no expert part."""
     held = parts(model)
     moe = model.config.moe
     local = held["local_experts"]
@@ -79,8 +80,9 @@ def routed_floor_bytes(model, cache_bytes: int, batch: int, num_draft: int) -> i
         used = expected_experts(-(-rows // data), moe.experts_per_token, moe.num_experts, local)
         return expert_bytes * used / local
 
-    rows = batch * (num_draft + 1)
+    rows = batch * ((tree or num_draft) + 1)
     total = held["trunk_dense"] + routed(held["trunk_experts"], rows) + held["lm_head"] + cache_bytes
-    if num_draft:
-        total += num_draft * (held["mtp_dense"] + routed(held["mtp_experts"], batch) + held["lm_head"])
+    for j in range(num_draft):  # the catch-up's pass (B rows), then a chain's steps or a tree's expansions
+        draft_rows = batch * (j * tree_width if tree and j else 1)
+        total += held["mtp_dense"] + routed(held["mtp_experts"], draft_rows) + held["lm_head"]
     return int(total)

@@ -170,6 +170,20 @@ def test_adaptive_rounds_on_a_mesh(report):
 
 @pytest.mark.slow
 @pytest.mark.multidevice
+def test_draft_trees_on_a_mesh(report):
+    """Draft trees over rows on `data` and heads on `model` (GQA), and with latent attention and routed experts over
+    `expert` (DeepSeek-V3): plain decoding's tokens (the tree's path moved to consecutive slots on every shard)."""
+    for run, reference in (
+        (report["tree"], report["reference"]["0"]),
+        (report["moe_tree"], report["moe"]["reference"]),
+    ):
+        assert (run["tokens"], run["lengths"]) == (reference["tokens"], reference["lengths"])
+        assert run["tokens_spec"][0] == "data"
+    assert report["tree"]["accepted"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
 def test_latent_attention_and_experts_on_an_expert_mesh(report):
     """DeepSeek-V3 (MLA with query LoRA, 16 routed experts in trunk and MTP layer) on data=2,expert=2,model=2."""
     moe = report["moe"]

@@ -43,7 +43,8 @@ from tests.support.tiny_models import predictable_model, predictable_moe_model, 
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")  # all model, mixed, all data
 DRAFTS = (0, 2)
-ADAPTIVE_MESH = "data=2,model=4"  # adaptive rounds (j = 0 or 1 drafts, picked on device) on this mesh
+ADAPTIVE_MESH = "data=2,model=4"  # adaptive rounds (j = 0 or 1 drafts, picked on device) and a tree on this mesh
+TREE_NODES = 8
 MOE_MESH = "data=2,expert=2,model=2"  # the DeepSeek-V3 model decodes with one draft per round on this mesh
 HYBRID_MESH = "data=2,model=4"  # a Qwen3.5-shaped hybrid (DeltaNet states rolled back by selection), two drafts
 EXPERT_RUNS = (  # (model, mesh, drafts): expert parallelism, each shard running its experts over every row it sees
@@ -87,11 +88,13 @@ def all_gather_shapes(hlo: str) -> list[list[int]]:
     return shapes
 
 
-def decode(model, k: int, adaptive: bool = False, ids=IDS, lens=LENS, new_tokens: int = NEW_TOKENS):
-    """(output as lists, the compiled program's text) of greedy decoding `ids` (IDS unless given)."""
+def decode(model, k: int, adaptive: bool = False, ids=IDS, lens=LENS, new_tokens: int = NEW_TOKENS, tree: int = 0):
+    """(output as lists, the compiled program's text) of greedy decoding `ids` (IDS unless given); `tree`: a draft
+    tree's node budget (k deep, 3 wide)."""
     graphdef, params = nnx.split(model)
     costs = (1.0, 1.2) if adaptive else None  # cheap drafts, so the policy drafts (whatever a tiny model's bytes say)
-    cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=new_tokens, adaptive=adaptive, round_costs=costs)
+    cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=new_tokens, adaptive=adaptive, round_costs=costs,
+                               tree=tree, tree_width=3)  # fmt: skip
     run = jax.jit(lambda p, i, n: mtp_jax.generate(nnx.merge(graphdef, p), i, n, jax.random.key(0), cfg))
     lowered = run.lower(params, ids, lens)
     compiled = lowered.compile()
@@ -360,9 +363,12 @@ def meshes_report(workdir: str) -> dict:
 
     adaptive = sharding.shard_model(model, sharding.make_mesh(ADAPTIVE_MESH))
     report["adaptive"], _ = decode(adaptive, 1, adaptive=True)
+    report["tree"], _ = decode(adaptive, 3, tree=TREE_NODES)  # a draft tree on the same data and model axes
     # a random tiny DeepSeek-V3 (MLA, 16 routed experts in trunk and MTP layer); a predictable hybrid trunk (gated
     # DeltaNet + gated attention groups, states rolled back by selection)
-    report["moe"] = mesh_report(mtp_jax.CausalLM(shapes.deepseek_v3_tiny(), rngs=nnx.Rngs(0)), MOE_MESH, 1)
+    moe_model = mtp_jax.CausalLM(shapes.deepseek_v3_tiny(), rngs=nnx.Rngs(0))
+    report["moe"] = mesh_report(moe_model, MOE_MESH, 1)
+    report["moe_tree"], _ = decode(sharding.shard_model(moe_model, sharding.make_mesh(MOE_MESH)), 2, tree=6)
     report["hybrid"] = mesh_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
 
     try:

@@ -1,0 +1,199 @@
+"""Draft trees are lossless: greedy decoding with a tree gives plain greedy's tokens (k = 0) on every attention-only
+family's tiny config, mixed prompt lengths, EOS mid-batch, budgets that end inside a tree; the committed caches hold
+the values a plain prefill of the same tokens writes; the accepted path is the walk a reference in Python takes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mtp_jax
+from mtp_jax.decode import speculative
+from mtp_jax.decode.tree import accepted_path
+from mtp_jax.families.registry import model_config_from_hf, tiny_configs
+from mtp_jax.ops import dispatch
+from tests.support.prompts import MIXED_LENS as PROMPT_LENS
+from tests.support.prompts import MIXED_PROMPTS as PROMPTS
+from tests.support.tiny_models import predictable_model, predictable_moe_model
+
+NEW_TOKENS = 40
+SEED = 11  # the predictable GQA model of test_lossless_mtp: a row stops at EOS mid-batch
+
+
+def _decode(model, ids, lens, new_tokens: int = NEW_TOKENS, **settings) -> mtp_jax.GenerateOutput:
+    cfg = mtp_jax.DecodeConfig(max_new_tokens=new_tokens, **settings)
+    return jax.tree.map(np.asarray, mtp_jax.generate(model, ids, lens, jax.random.key(0), cfg))
+
+
+def _assert_same(out, plain) -> None:
+    np.testing.assert_array_equal(out.lengths, plain.lengths)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.finished_by_eos, plain.finished_by_eos)
+
+
+def _check_stats(stats, budget: int) -> None:
+    """The counters agree with each other: every round judges depth 1, a depth is judged where the one above it was
+    accepted, and each row-round offers the whole tree."""
+    assert stats.reached[0] == stats.row_rounds
+    assert stats.accepted == stats.accepted_at.sum()
+    assert stats.emitted == stats.row_rounds + stats.accepted
+    assert stats.drafted == budget * stats.row_rounds
+    np.testing.assert_array_equal(stats.reached[1:], stats.accepted_at[:-1])
+
+
+@pytest.fixture(scope="module")
+def predictable():
+    model = predictable_model("deepseek", SEED)
+    return model, _decode(model, PROMPTS, PROMPT_LENS, num_draft=0)
+
+
+@pytest.mark.parametrize(("depth", "budget", "width"), [(3, 3, 1), (3, 8, 2), (3, 8, 3), (4, 16, 4), (2, 20, 4)])
+def test_greedy_tree_equals_plain(predictable, depth, budget, width):
+    """A width of 1 is the chain; (2, 20, 4) keeps every candidate."""
+    model, plain = predictable
+    out = _decode(model, PROMPTS, PROMPT_LENS, num_draft=depth, tree=budget, tree_width=width)
+    stopped = plain.finished_by_eos & (plain.lengths < NEW_TOKENS)
+    assert stopped.any() and not stopped.all()  # EOS mid-batch
+    _assert_same(out, plain)
+    _check_stats(out.stats, budget)
+    assert out.stats.accepted_at[1] > 0  # paths past depth 1 are accepted
+
+
+def test_a_tree_accepts_more_than_its_chain(predictable):
+    """Same depth: the tree's other branches hold what the chain's first choices miss (so paths through a node that
+    is not its parent's likeliest child are accepted)."""
+    model, _ = predictable
+    chain = _decode(model, PROMPTS, PROMPT_LENS, num_draft=3)
+    tree = _decode(model, PROMPTS, PROMPT_LENS, num_draft=3, tree=8, tree_width=2)
+    per_round = lambda out: out.stats.emitted / out.stats.row_rounds
+    assert per_round(tree) > per_round(chain) + 0.2, (per_round(tree), per_round(chain))
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2, 3, 5, 6])
+def test_budgets_that_end_inside_a_tree(predictable, new_tokens):
+    model, _ = predictable
+    plain = _decode(model, PROMPTS, PROMPT_LENS, new_tokens, num_draft=0)
+    _assert_same(_decode(model, PROMPTS, PROMPT_LENS, new_tokens, num_draft=3, tree=8, tree_width=3), plain)
+
+
+def _family_model(family: str):
+    cfg = model_config_from_hf(tiny_configs()[family])
+    return mtp_jax.CausalLM(cfg.replace(eos_token_ids=(5,)), rngs=nnx.Rngs(4))
+
+
+ATTENTION_FAMILIES = sorted(
+    name
+    for name, hf in tiny_configs().items()
+    if model_config_from_hf(hf).has_mtp and not model_config_from_hf(hf).is_hybrid
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
+def test_every_attention_family(family):
+    """Random tiny configs of every family with an MTP head and an attention-only trunk (GQA with and without biases
+    and q/k norms, partial rotary, latent attention, routed experts)."""
+    model = _family_model(family)
+    ids = PROMPTS % model.config.vocab_size
+    plain = _decode(model, ids, PROMPT_LENS, 24, num_draft=0)
+    out = _decode(model, ids, PROMPT_LENS, 24, num_draft=3, tree=10, tree_width=3)
+    _assert_same(out, plain)
+    _check_stats(out.stats, 10)
+
+
+@pytest.mark.slow
+def test_latent_attention_with_experts_accepts_deep_paths():
+    """A predictable DeepSeek-V3 (MLA and routed experts in trunk and MTP layer): the tree's MTP passes and verify
+    attend their latents through the tree mask, and paths past depth 1 are accepted."""
+    model = predictable_moe_model("deepseek_v3", seed=2)
+    ids = PROMPTS % model.config.vocab_size
+    plain = _decode(model, ids, PROMPT_LENS, 24, num_draft=0)
+    out = _decode(model, ids, PROMPT_LENS, 24, num_draft=3, tree=8, tree_width=2)
+    _assert_same(out, plain)
+    assert out.stats.accepted_at[1] > 0
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "rounds"))
+def _state_after_rounds(graphdef, params, ids, lens, cfg, rounds: int):
+    """The loop state after the prefill and `rounds` rounds, as `generate` runs them (greedy)."""
+    model = nnx.merge(graphdef, params)
+    with dispatch.tracing(cfg.invariant):
+        sampling = mtp_jax.SamplingParams.from_config(cfg, ids.shape[0])
+        state = speculative.start_state(model, ids, lens, jax.random.key(0), sampling, cfg, greedy=True)
+        body = speculative.round_step(model, cfg, None, greedy=True)
+        for _ in range(rounds):
+            state = body(state)
+        return state
+
+
+def test_committed_caches_hold_a_plain_prefill_of_the_same_tokens(predictable):
+    """After rounds whose accepted paths ran through the middle of their trees, every trunk cache slot below a row's
+    position (and every MTP cache slot below its block) holds what a prefill of that row's prompt and tokens
+    writes: the accepted entries moved to consecutive slots, values and not only tokens."""
+    model, _ = predictable
+    cfg = mtp_jax.DecodeConfig(num_draft=3, tree=8, tree_width=3, max_new_tokens=NEW_TOKENS, stop_on_eos=False)
+    graphdef, params = nnx.split(model)
+    state = _state_after_rounds(graphdef, params, jnp.asarray(PROMPTS), jnp.asarray(PROMPT_LENS), cfg, 4)
+    assert int(state.stats.accepted) > 4  # paths past depth 1 were committed
+    position, generated = np.asarray(state.position), np.asarray(state.num_generated)
+    width = int(position.max())
+    rows = np.zeros((len(PROMPTS), width + 1), np.int32)
+    for b, length in enumerate(PROMPT_LENS):
+        sequence = np.concatenate([PROMPTS[b, :length], np.asarray(state.tokens)[b, : generated[b]]])
+        assert len(sequence) == position[b] + 1  # the last, pending, is not in the cache yet
+        rows[b, : len(sequence)] = sequence
+    positions = jnp.broadcast_to(jnp.arange(width + 1), rows.shape)
+    hidden, plain = model.trunk(jnp.asarray(rows), positions, model.new_cache(len(rows), state.cache[0].slots),
+                                lengths=jnp.asarray(position + 1))  # fmt: skip
+    next_tokens = jnp.asarray(np.concatenate([rows[:, 1:], rows[:, :1] * 0], axis=1))
+    mtp_cache = model.new_mtp_cache(len(rows), state.cache[0].slots)
+    _, _, plain_mtp = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
+    start = np.asarray(state.block.start)
+    for b in range(len(rows)):
+        for got, want in ((state.cache[0].k, plain[0].k), (state.cache[0].v, plain[0].v)):
+            np.testing.assert_allclose(np.asarray(got)[:, b, : position[b]], np.asarray(want)[:, b, : position[b]],
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+        for got, want in ((state.mtp_cache.k, plain_mtp.k), (state.mtp_cache.v, plain_mtp.v)):
+            np.testing.assert_allclose(np.asarray(got)[:, b, : start[b]], np.asarray(want)[:, b, : start[b]],
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def _walk(tokens, parents, picks) -> tuple[int, int, list[int]]:
+    """The reference: from the root, step into the child whose token is the current entry's pick, while one is."""
+    entry, path = 0, [0]
+    while True:
+        children = [i + 1 for i in range(len(tokens)) if parents[i + 1] == entry and tokens[i] == picks[entry]]
+        if not children:
+            return len(path) - 1, int(picks[entry]), path
+        entry = children[0]
+        path.append(entry)
+
+
+def test_accepted_path_is_the_reference_walk():
+    """Random trees (parents before children, distinct tokens among siblings, as drafting makes them) and random
+    picks over a 4-token vocabulary, so paths end at every depth and run through any child."""
+    rng = np.random.default_rng(0)
+    batch, nodes, depth = 400, 9, 4
+    tokens = np.zeros((batch, nodes), np.int32)
+    parents = np.zeros((batch, nodes + 1), np.int32)
+    for b in range(batch):
+        depths, children = [0], [[]]
+        for i in range(1, nodes + 1):
+            parent = rng.choice([j for j in range(i) if depths[j] < depth and len(children[j]) < 4])
+            token = rng.choice([t for t in range(4) if t not in children[parent]])
+            parents[b, i], tokens[b, i - 1] = parent, token
+            children[parent].append(token)
+            depths.append(depths[parent] + 1)
+            children.append([])
+    picks = rng.integers(0, 4, (batch, nodes + 1)).astype(np.int32)
+    accepted, token, path = jax.tree.map(np.asarray, accepted_path(tokens, parents, picks, depth))
+    for b in range(batch):
+        want_depth, want_token, want_path = _walk(tokens[b], parents[b], picks[b])
+        assert (accepted[b], token[b]) == (want_depth, want_token), b
+        assert path[b, : want_depth + 1].tolist() == want_path, b
+    assert len(set(accepted.tolist())) >= 3  # paths of several depths were checked
