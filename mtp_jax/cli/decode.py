@@ -9,6 +9,7 @@ beside --out, renamed to --out when every row is there. A run that stops early k
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ from mtp_jax.decode import default_drafting, stats
 from mtp_jax.decode.prompts import encode_prompts, read_prompt_records
 from mtp_jax.decode.text import batch_rows, check_budget, decode_batches, first_batch, row_sampling
 from mtp_jax.decode.text_stream import stream_prompt
+from mtp_jax.decode.tree import check_tree_model
 from mtp_jax.kernels.cpu import cpu_rows
 from mtp_jax.loading import checkpoint
 from mtp_jax.loading.hub import MODEL_HELP, names_a_model
@@ -202,6 +204,12 @@ def load_for_decoding(args, records) -> tuple:
     if args.adaptive and num_draft == 0:
         raise UserError("--adaptive needs drafts: a model with an MTP head and --num-draft > 0")
     decode_cfg = decode_config(args, num_draft)
+    if decode_cfg.tree:
+        try:
+            invariant = decode_cfg.invariant or has_int8_activations(model)  # as `speculative.generate` decodes it
+            check_tree_model(model, dataclasses.replace(decode_cfg, invariant=invariant))
+        except ValueError as e:
+            raise UserError(f"--tree: {e}") from None
     batch_size = batch_rows(model, args.batch_size, len(prompts))
     check_budget(model, prompts, decode_cfg, batch_size)
     decode_cfg = default_decode_config(args, model, decode_cfg, first_batch(prompts, batch_size))

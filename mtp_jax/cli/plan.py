@@ -311,7 +311,14 @@ def run(args) -> int:
     plans = []
     for i, spec in enumerate(specs):
         print(f"planning {name} on {target.name}, mesh {spec} ({i + 1}/{len(specs)})", file=sys.stderr)
-        plans.append(plan_mesh(args, cfg, name, target, spec, work, args.dump_hlo if i == 0 else None))
+        try:
+            plans.append(plan_mesh(args, cfg, name, target, spec, work, args.dump_hlo if i == 0 else None))
+        except Exception as e:  # the compiler refused one of its programs for the chip's memory
+            if not planning.is_out_of_memory(e):
+                raise
+            print(f"mesh {spec}: does not fit: {out_of_memory_reason(e)}", file=sys.stderr)
+    if not plans:
+        raise UserError(f"{name} does not fit {target.name} on any mesh tried ({', '.join(specs)})")
     plans.sort(key=lambda p: (not p["fits"], -(p["projected_tokens_per_second"]["mtp"] or
                                                 p["projected_tokens_per_second"]["plain"])))  # fmt: skip
     table = markdown(plans)
@@ -321,6 +328,12 @@ def run(args) -> int:
     if args.markdown:
         write_atomically(args.markdown, table)
     return 0
+
+
+def out_of_memory_reason(error: Exception) -> str:
+    """The compiler's line saying what did not fit."""
+    lines = str(error).splitlines() or [type(error).__name__]
+    return next((line for line in lines if "RESOURCE_EXHAUSTED" in line), lines[0]).strip()[:300]
 
 
 def main(argv: list[str] | None = None) -> int:

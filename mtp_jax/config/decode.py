@@ -27,8 +27,9 @@ class DecodeConfig:
       verify block's sums and a plain step's moves a rounded activation by a whole step, so only batch-invariant passes
       keep MTP equal to plain there.
     tree: a draft tree's node budget N (0: a chain of num_draft drafts). Each round the MTP head expands, depth by
-      depth, the `tree_width` best nodes by path probability, down to depth num_draft, and the trunk verifies the
-      N best nodes of all it proposed in one pass (mtp_jax.decode.tree).
+      depth, the `tree_width` best nodes by path probability, down to depth D = num_draft (the longest path a round
+      can accept, as a chain's k; `tree_depth`), and the trunk verifies the N best nodes of all it proposed in one
+      pass (mtp_jax.decode.tree).
     tree_width: W, the nodes expanded at each depth and the children each expansion proposes.
     """
 
@@ -67,7 +68,7 @@ class DecodeConfig:
         if self.tree < 0 or width < 1:
             raise ValueError(f"a draft tree needs tree >= 0 and tree_width >= 1, got {self.tree} and {width}")
         if depth < 1:
-            raise ValueError("a draft tree needs num_draft >= 1: its depth")
+            raise ValueError(f"a draft tree needs a depth (num_draft) >= 1, got {depth}")
         if not depth <= self.tree <= tree_candidates(depth, width):
             raise ValueError(
                 f"a tree of depth {depth} and width {width} holds {depth} to {tree_candidates(depth, width)} nodes, "
@@ -75,6 +76,11 @@ class DecodeConfig:
             )
         if self.adaptive:
             raise ValueError("adaptive decoding chooses among chains; it does not draft trees")
+
+    @property
+    def tree_depth(self) -> int:
+        """A draft tree's depth D: num_draft (0 without a tree)."""
+        return self.num_draft if self.tree else 0
 
     @property
     def round_slots(self) -> int:

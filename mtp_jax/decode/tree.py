@@ -40,12 +40,16 @@ from mtp_jax.models.kv_cache import move_slots
 
 
 def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
-    """Refuse a draft tree where its passes cannot run: a recurrent trunk, batch-invariant decoding."""
+    """Refuse a draft tree where its passes cannot run: a recurrent trunk, more children than draft tokens,
+    batch-invariant decoding."""
     if model.config.is_hybrid:
         raise ValueError(
             "draft trees need an attention-only trunk: a gated DeltaNet trunk's verify pass would carry a state per "
             "node; decode it with a chain (num_draft without tree)"
         )
+    draft_vocab = model.config.mtp.draft_vocab_size or model.config.vocab_size
+    if cfg.tree_width > draft_vocab:
+        raise ValueError(f"a tree {cfg.tree_width} wide proposes more children than the {draft_vocab} draft tokens")
     if cfg.invariant:
         raise ValueError(
             "draft trees do not run under batch-invariant decoding (DecodeConfig.invariant, implied by 4-bit weights "

@@ -63,6 +63,26 @@ def test_bench_random_shape(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_bench_tree_rows(tmp_path, capsys):
+    """--tree N,...: a row per node budget, as deep as the largest k, with plain decoding's tokens; a budget the
+    depth and width cannot hold is one line."""
+    out = tmp_path / "b.json"
+    common = ["--random-shape", "tiny", "--batch-sizes", "2", "--num-draft", "0,2", "--max-new-tokens", "8",
+              "--repeats", "1", "--no-peer", "--no-adaptive", "--no-split"]  # fmt: skip
+    assert bench_main([*common, "--tree", "4,6", "--tree-width", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["impl"], r["k"], r["tree"]) for r in rows] == [
+        ("mtp_jax", 0, 0), ("mtp_jax", 2, 0), ("mtp_jax tree N=4 W=2", 2, 4), ("mtp_jax tree N=6 W=2", 2, 6)
+    ]  # fmt: skip
+    check_rows(rows, 8)
+    assert all(r["same_tokens"] for r in rows if r["k"])
+    capsys.readouterr()
+    assert bench_main([*common, "--tree", "9", "--tree-width", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "--tree 9: a tree of depth 2 and width 2 holds 2 to 6 nodes" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
 def test_bench_peer_on_hf_folder(tmp_path, capsys):
     save_hf_folder(mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0)), tmp_path / "hf")
     prompts = tmp_path / "p.jsonl"

@@ -21,6 +21,8 @@ from tests.support.tiny_models import tiny_config
 
 STATS_FIELDS = {
     "num_draft",
+    "tree",
+    "mean_accepted_depth",
     "rounds",
     "generated_tokens",
     "mean_accepted_length",
@@ -83,6 +85,24 @@ def test_jsonl_output_stats_and_mtp_equals_plain(checkpoints, capsys, tmp_path):
     assert stats["num_draft"] == 3 and len(stats["acceptance_per_position"]) == 3
     assert stats["generated_tokens"] == sum(r["num_tokens"] for r in mtp_rows)
     assert 1.0 <= stats["mean_accepted_length"] <= 4.0
+
+
+@pytest.mark.slow
+def test_a_draft_tree_decodes_plain_greedy(checkpoints, capsys, tmp_path):
+    """--tree N: rows equal to --no-mtp's, the tree and its depth in the statistics and the summary line."""
+    common = ["--model", checkpoints / "with_head", "--prompts-file", checkpoints / "prompts.jsonl"]
+    common += ["--max-new-tokens", 12, "--batch-size", 2, "--dtype", "float32"]
+    code, _, err = decode(capsys, *common, "--tree", 6, "--tree-width", 2, "--out", tmp_path / "tree.jsonl",
+                          "--stats-json", tmp_path / "s.json")  # fmt: skip
+    assert code == 0, err
+    assert "a draft tree of 6 nodes, depth 3" in err
+    code, _, err = decode(capsys, *common, "--no-mtp", "--out", tmp_path / "plain.jsonl")
+    assert code == 0, err
+    rows = [(tmp_path / name).read_text().splitlines() for name in ("tree.jsonl", "plain.jsonl")]
+    assert [json.loads(r)["token_ids"] for r in rows[0]] == [json.loads(r)["token_ids"] for r in rows[1]]
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert (stats["tree"], stats["num_draft"], len(stats["acceptance_per_position"])) == (6, 3, 3)
+    assert stats["mean_accepted_length"] == pytest.approx(1 + stats["mean_accepted_depth"])
 
 
 @pytest.mark.slow
@@ -155,6 +175,10 @@ def test_model_without_head_decodes_plainly_with_a_note(checkpoints, capsys):
         ('{"token_ids": [5]}\n', ["--temperature", "-1"], "--temperature"),
         ('{"token_ids": [5]}\n', ["--top-p", "0"], "--top-p"),
         ('{"token_ids": [5]}\n', ["--mesh", "data=2"], "--mesh"),
+        ('{"token_ids": [5]}\n', ["--tree", "2"], "holds 3 to 36 nodes"),
+        ('{"token_ids": [5]}\n', ["--tree", "8", "--no-mtp"], "not with --no-mtp"),
+        ('{"token_ids": [5]}\n', ["--tree", "8", "--adaptive"], "does not draft trees"),
+        ('{"token_ids": [5]}\n', ["--tree", "8", "--invariant", "--max-new-tokens", "8"], "batch-invariant"),
     ],
 )
 def test_bad_input_is_one_line(checkpoints, capsys, tmp_path, content, extra, message):

@@ -229,9 +229,32 @@ def test_plan_cli_writes_the_contract_fields(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.tpu_compile
+def test_plan_of_a_draft_tree_round(tmp_path):
+    """--tree N: the round compiled is a tree's (its verify block N + 1 rows: more flops than a chain of the same
+    depth), its projection from --tokens-per-round when given."""
+    common = ["--random-shape", "tiny", "--topology", "v5e:2x2", "--mesh", "data=2,model=2", "--max-new-tokens", "32",
+              "--prompt-len", "16", "--num-draft", "2"]  # fmt: skip
+    plans = {}
+    for name, extra in (("chain", []), ("tree", ["--tree", "6", "--tree-width", "2", "--tokens-per-round", "2.5"])):
+        proc = run_plan(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    tree, chain = plans["tree"], plans["chain"]
+    assert (tree["tree"], tree["tree_width"], tree["num_draft"], chain["tree"]) == (6, 2, 2, 0)
+    assert tree["mtp_round"]["flops"] > chain["mtp_round"]["flops"]
+    assert tree["plain_step"]["flops"] == chain["plain_step"]["flops"]
+    assert tree["tokens_per_round"] == 2.5 and tree["acceptance_source"] == "--tokens-per-round"
+    tps = tree["projected_tokens_per_second"]["mtp"]
+    assert tps == pytest.approx(1000 * 8 * 2.5 / tree["mtp_round"]["projected_ms"])
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--topology", "v5e:2x2", "--tree", "2"], "holds 3 to 36 nodes"),
+        (["--topology", "v5e:2x2", "--tree", "8", "--random-shape", "qwen3.5-tiny"], "decodes chains"),
         (["--topology", "v7x:2x2"], "bad topology"),
         (["--topology", "gpu:8"], "JAX sees no GPU here"),  # gpu:N describes GPUs like an attached one
         (["--topology", "v5p:2x2x1", "--mesh", "data=3,model=1", "--max-new-tokens", "32"], "lay out here"),
@@ -413,3 +436,26 @@ def test_unstacked_layers_never_copy_the_whole_latent_cache_stack(monkeypatch):
     monkeypatch.setattr(causal_lm, "layer_entries", lambda stacked, layer: LayerSlots(stacked, layer))
     jax.clear_caches()
     assert whole_stack_copies()
+
+
+def test_meshes_the_compiler_refuses_for_memory_are_skipped(monkeypatch, capsys):
+    """--mesh auto: a mesh whose programs the compiler refuses for the chip's memory is named on stderr and skipped;
+    when none is left, one line and exit status 1. Another compiler error is not taken for it."""
+    from mtp_jax.cli import plan as plan_cli
+
+    def refuse(*_):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required (9G) exceeds 8G.")
+
+    monkeypatch.setattr(plan_cli, "plan_mesh", refuse)
+    argv = ["--random-shape", "tiny", "--topology", "cpu:1", "--capacity-gib", "1", "--max-new-tokens", "32"]
+    assert plan_cli.run_cli(plan_cli.run, plan_cli.build_parser().parse_args(argv)) == 1
+    err = capsys.readouterr().err
+    assert "mesh data=1,expert=1,model=1: does not fit: RESOURCE_EXHAUSTED: Ran out of memory" in err
+    assert "error: tiny does not fit cpu:1 on any mesh tried" in err and "Traceback" not in err
+
+    def fail(*_):
+        raise RuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(plan_cli, "plan_mesh", fail)
+    with pytest.raises(RuntimeError, match="something else"):
+        plan_cli.run(plan_cli.build_parser().parse_args(argv))
