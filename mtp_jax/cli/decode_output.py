@@ -17,6 +17,8 @@ from mtp_jax.runtime.errors import UserError
 ROW_SETTINGS = ("model", "head", "dtype", "weights", "activations", "no_mtp", "num_draft", "tree", "tree_width",
                 "adaptive", "round_costs", "invariant", "temperature", "top_p", "top_k", "max_new_tokens", "seed",
                 "no_chat")  # fmt: skip
+CHAIN_SETTINGS = tuple(k for k in ROW_SETTINGS if not k.startswith("tree"))  # a chain's run: its partial file keeps
+# the name runs from before draft trees gave it
 
 
 class RowOutput:
@@ -36,7 +38,7 @@ class RowOutput:
         self.out = os.path.abspath(args.out)
         folder, name = os.path.split(self.out)
         os.makedirs(folder, exist_ok=True)
-        settings = {k: getattr(args, k) for k in ROW_SETTINGS}
+        settings = {k: getattr(args, k) for k in ROW_SETTINGS if k in CHAIN_SETTINGS or args.tree}
         settings.update({k: os.path.abspath(settings[k]) for k in ("model", "head") if settings[k] is not None})
         key = json.dumps(settings, sort_keys=True)
         self.partial = f"{self.out}.partial-{hashlib.sha256(key.encode()).hexdigest()[:12]}"

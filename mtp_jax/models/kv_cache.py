@@ -66,14 +66,40 @@ def move_slots(cache, start: jax.Array, picks: jax.Array, span: int):
     def moved(stacked: jax.Array) -> jax.Array:  # [L, B, S, ...]
         window = min(stacked.shape[2], span)
         first = jnp.clip(start, 0, stacked.shape[2] - window)  # a window inside the cache
-        read = jax.vmap(lambda rows, at: jax.lax.dynamic_slice_in_dim(rows, at, window, axis=1), in_axes=(1, 0),
-                        out_axes=1)(stacked, first)  # [L, B, window, ...]  # fmt: skip
+        read = read_windows(stacked, first, window)  # [L, B, window, ...]
         index = jnp.clip(picks + (start - first)[:, None], 0, window - 1)
         index = index.reshape(1, *picks.shape, *(1,) * (stacked.ndim - 3))
         entries = jnp.take_along_axis(read, index, axis=2)  # [L, B, T, ...]
         return write_slots(stacked, entries, start[:, None] + jnp.arange(picks.shape[1]))
 
     return jax.tree.map(moved, cache).constrained()
+
+
+def read_windows(cache: jax.Array, first: jax.Array, window: int) -> jax.Array:
+    """[L, B, window, ...]: slots first[b] .. first[b] + window - 1 of each row b of cache [L, B, S, ...] (inside
+    it), read where they lie: row by row (a gather vmapped over rows had XLA transpose the whole cache to put its
+    rows first, and back: four copies of it a round, measured on a TPU plan), on a mesh by each device for the rows
+    it holds. A cache split over its slots, where a window may straddle two devices' runs, is read by a gather the
+    partitioner places."""
+    rules = active_rules()
+    if rules is None:
+        return _read_rows(cache, first, window)
+    spec = rules.cache_spec(CACHE if cache.ndim == 5 else LATENT_CACHE, cache.shape, ATTENTION_CHUNK)
+    if spec[2] is not None:
+        index = (first[:, None] + jnp.arange(window)).reshape(1, -1, window, *(1,) * (cache.ndim - 3))
+        return jnp.take_along_axis(cache, index, axis=2)
+    rows = PartitionSpec(*spec[:2], None, *spec[3:])  # windows [L, B, W, ...] split as the cache, bar the slots
+    read = lambda cache, first: _read_rows(cache, first, window)
+    return jax.shard_map(read, mesh=rules.mesh, in_specs=(spec, PartitionSpec(spec[1])), out_specs=rows)(cache, first)
+
+
+def _read_rows(cache: jax.Array, first: jax.Array, window: int) -> jax.Array:
+    """`read_windows` of this device's rows: one dynamic slice per row, unrolled (a loop would carry the cache, and
+    XLA copied it into the loop's layout and back, whole)."""
+    tail = (0,) * (cache.ndim - 3)
+    size = (cache.shape[0], 1, window, *cache.shape[3:])
+    return jnp.concatenate([jax.lax.dynamic_slice(cache, (0, b, first[b], *tail), size) for b in range(cache.shape[1])],
+                           axis=1)  # fmt: skip
 
 
 def _write_rows(cache: jax.Array, entries: jax.Array, positions: jax.Array, first) -> jax.Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import sys
@@ -13,7 +14,7 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.cli import decode as decode_cli
 from mtp_jax.cli.decode import main as decode_main
-from mtp_jax.cli.decode_output import terminal_text
+from mtp_jax.cli.decode_output import ROW_SETTINGS, RowOutput, terminal_text
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.kernels.cpu import cpu_rows
 from mtp_jax.runtime.cache_folder import CACHE_ENV
@@ -286,3 +287,23 @@ def test_int8_activations_decode_mtp_equal_to_plain_and_need_4bit_weights(checkp
     assert outputs[0] == outputs[1] and len(outputs[0]) == 5
     code, out, err = decode(capsys, *common[:-4], "--weights", "int8", "--activations", "int8")
     assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "needs 4-bit weights" in err
+
+
+def test_partial_files_are_named_by_the_tree(tmp_path):
+    """A tree's rows (sampled) depend on its budget and width, so its partial file's name does; a chain's keeps the
+    name its settings gave it before trees (a run started then still resumes)."""
+    parser = decode_cli.build_parser()
+
+    def digest(*extra):  # each in a folder of its own: a partial file is made at once
+        out = tmp_path / str(len(list(tmp_path.iterdir()))) / "o.jsonl"
+        args = parser.parse_args(["--prompt", "x", "--out", str(out), *extra])
+        return RowOutput(args, ["x"]).partial.rsplit("-", 1)[1], args
+
+    (chain, args), (tree, _), (narrower, _) = (
+        digest(),
+        digest("--tree", "8"),
+        digest("--tree", "8", "--tree-width", "2"),
+    )
+    assert len({chain, tree, narrower}) == 3
+    before_trees = {k: getattr(args, k) for k in ROW_SETTINGS if k not in ("tree", "tree_width")}
+    assert chain == hashlib.sha256(json.dumps(before_trees, sort_keys=True).encode()).hexdigest()[:12]
