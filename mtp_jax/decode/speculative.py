@@ -58,8 +58,8 @@ class GenerateOutput:
 
 
 def _round_body(model, cfg: DecodeConfig, sampling, eos):
-    """The while-loop body: a round with cfg.num_draft drafts, or, adaptive, the rounds the policy picks. Where the
-    round costs say no draft can pay, adaptive decoding is plain decoding."""
+    """The while-loop body: a round with cfg.num_draft drafts, a draft tree's round (cfg.tree), or, adaptive, the
+    rounds the policy picks. Where the round costs say no draft can pay, adaptive decoding is plain decoding."""
     if cfg.tree:
         round_ = Round(RoundKind.TREE, cfg.num_draft, cfg.tree)
         return functools.partial(run_tree_round, round_context(model, cfg, sampling, eos, [round_]), round_)
