@@ -75,6 +75,9 @@ def move_slots(cache, start: jax.Array, picks: jax.Array, span: int):
     return jax.tree.map(moved, cache).constrained()
 
 
+UNROLLED_ROWS = 256  # more rows than this are read by one gather: an unrolled slice per row would not compile
+
+
 def read_windows(cache: jax.Array, first: jax.Array, window: int) -> jax.Array:
     """[L, B, window, ...]: slots first[b] .. first[b] + window - 1 of each row b of cache [L, B, S, ...] (inside
     it), read where they lie: row by row (a gather vmapped over rows had XLA transpose the whole cache to put its
@@ -82,10 +85,11 @@ def read_windows(cache: jax.Array, first: jax.Array, window: int) -> jax.Array:
     it holds. A cache split over its slots, where a window may straddle two devices' runs, is read by a gather the
     partitioner places."""
     rules = active_rules()
-    if rules is None:
+    if rules is None and cache.shape[1] <= UNROLLED_ROWS:
         return _read_rows(cache, first, window)
-    spec = rules.cache_spec(CACHE if cache.ndim == 5 else LATENT_CACHE, cache.shape, ATTENTION_CHUNK)
-    if spec[2] is not None:
+    spec = None if rules is None else rules.cache_spec(CACHE if cache.ndim == 5 else LATENT_CACHE, cache.shape,
+                                                       ATTENTION_CHUNK)  # fmt: skip
+    if spec is None or spec[2] is not None or cache.shape[1] > UNROLLED_ROWS:
         index = (first[:, None] + jnp.arange(window)).reshape(1, -1, window, *(1,) * (cache.ndim - 3))
         return jnp.take_along_axis(cache, index, axis=2)
     rows = PartitionSpec(*spec[:2], None, *spec[3:])  # windows [L, B, W, ...] split as the cache, bar the slots
