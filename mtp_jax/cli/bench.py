@@ -22,6 +22,7 @@ from mtp_jax.bench.environment import metadata
 from mtp_jax.bench.peers import LlamaCppRun, PeerRun, llama_cpp_available, load_llama_cpp, load_peer
 from mtp_jax.bench.timing import measured_bandwidth, ratio, time_batch
 from mtp_jax.cli.arguments import add_storage_arguments, positive_int
+from mtp_jax.cli.bench_slots import refill_markdown, run_refill
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 from mtp_jax.decode.tree import check_tree_model
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", help="shard ours over D*M*E devices (the first ones; all of them in a multi-process "
                         "run): data=D,model=M[,expert=E] or auto (every device on model)")  # fmt: skip
     add_storage_arguments(parser)
+    parser.add_argument("--refill", action="store_true", help="instead: decode --prompts held-out prompts through "
+                        "slots that refill and through static batches of each --batch-sizes rows, side by side "
+                        "(answers end at EOS; --max-new-tokens caps them)")  # fmt: skip
+    parser.add_argument("--prompts", type=positive_int, default=128, help="with --refill: how many (default 128)")
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
     compile_cache.add_argument(parser)
@@ -167,8 +172,10 @@ def run(args) -> dict:
         drafts = [0]
         notes.append("the model has no MTP head: k > 0 skipped")
     check_trees(args, model, max(drafts))
-    prompts = read_prompts(args, model, tokenizer)
     dtype = np.dtype(model.dtype).name
+    if args.refill:
+        return run_refill(args, model, tokenizer, label, dtype, notes)
+    prompts = read_prompts(args, model, tokenizer)
     peer = load_peer(peer_path, dtype) if peer_path else None
     llama = llama_cpp_peer(args, peer_path, prompts, notes)
     bandwidth = measured_bandwidth() if args.split else None
@@ -297,7 +304,7 @@ def markdown(result: dict) -> str:
 
 def report(args) -> int:
     result = run(args)
-    table = markdown(result)
+    table = refill_markdown(result) if args.refill else markdown(result)
     print(table)
     if args.json:
         with open(args.json, "w") as f:

@@ -130,11 +130,15 @@ class LoopState:
     row_keys: jax.Array  # [B] one random stream per row
     stats: DecodeStats
     adaptive: AdaptiveState | None  # adaptive decoding only
+    budget: jax.Array  # [B] the most tokens a row may generate (cfg.max_new_tokens, or a request's own)
 
 
 def round_keys(row_keys: jax.Array, round_index: jax.Array, purpose: int) -> jax.Array:
-    """A fresh key per row for this round and purpose: [B] keys."""
-    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(k, round_index), purpose))(row_keys)
+    """A fresh key per row for this round and purpose: [B] keys. `round_index` [B] (or one for every row) names the
+    round in the row's own count, its tokens so far (`num_generated`, which every round raises): a row's draws then
+    depend on its key alone, not on the batch or the slot it decodes in, nor on when it joined."""
+    index = jnp.broadcast_to(round_index, row_keys.shape)
+    return jax.vmap(lambda k, i: jax.random.fold_in(jax.random.fold_in(k, i), purpose))(row_keys, index)
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

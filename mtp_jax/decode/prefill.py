@@ -22,13 +22,18 @@ from mtp_jax.models.kv_cache import decode_attention
 
 
 def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array,
-            prompt_ids: jax.Array, prompt_lens: jax.Array, row_keys: jax.Array, slots: int) -> LoopState:  # fmt: skip
+            prompt_ids: jax.Array, prompt_lens: jax.Array, row_keys: jax.Array, slots: int,
+            budget: jax.Array | None = None, attention: str | None = None) -> LoopState:  # fmt: skip
     """Trunk (and MTP) over the padded prompts (ids [B, P], lens [B], one key per row [B], caches of `slots`); the
-    first token from each row's last prompt position (sampled unless `sampling` is None); `eos` [E] ends a row."""
+    first token from each row's last prompt position (sampled unless `sampling` is None); `eos` [E] ends a row.
+    `budget` [B]: each row's most tokens (cfg.max_new_tokens when None, at most that); `attention`: the caches' form
+    (`decode_attention` of the prompt width when None)."""
     batch, prompt_width = prompt_ids.shape
     k = cfg.num_draft
+    budget = jnp.full((batch,), cfg.max_new_tokens, jnp.int32) if budget is None else budget
+    attention = attention or decode_attention(prompt_width, cfg)
     positions = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
-    cache = model.new_cache(batch, slots, decode_attention(prompt_width, cfg))
+    cache = model.new_cache(batch, slots, attention)
     hidden, cache = model.trunk(prompt_ids, positions, cache, lengths=prompt_lens)  # [B, P, D]
     last = prompt_lens - 1
     last_hidden = gather_rows(hidden, last)  # [B, D]
@@ -44,7 +49,7 @@ def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None,
     state = LoopState(
         tokens=tokens,
         num_generated=jnp.ones((batch,), jnp.int32),
-        done=hit_eos | (cfg.max_new_tokens <= 1),
+        done=hit_eos | (budget <= 1),
         finished_by_eos=hit_eos,
         position=prompt_lens,
         pending=first,
@@ -54,20 +59,21 @@ def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None,
         row_keys=row_keys,
         stats=stats,
         adaptive=AdaptiveState.start(k) if cfg.adaptive and k > 0 else None,
+        budget=budget,
     )
     if k == 0:
         return state
-    mtp_cache = mtp_over_prompt(model, cfg, prompt_ids, positions, last, hidden, first, slots)
+    mtp_cache = mtp_over_prompt(model, prompt_ids, positions, last, hidden, first, slots, attention)
     return state.replace(mtp_cache=mtp_cache, block=first_block(cfg, last_hidden, first, last))
 
 
-def mtp_over_prompt(model: CausalLM, cfg: DecodeConfig, prompt_ids, positions, last, hidden, first, slots: int):
+def mtp_over_prompt(model: CausalLM, prompt_ids, positions, last, hidden, first, slots: int, attention: str):
     """The MTP cache over the prompts (ids and positions [B, P], hidden [B, P, D]): slot p pairs h[p] with x[p+1];
     each row's last prompt slot (last [B]) pairs with its first token (first [B])."""
     batch, prompt_width = prompt_ids.shape
     next_tokens = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
     next_tokens = jnp.where(jnp.arange(prompt_width) == last[:, None], first[:, None], next_tokens)
-    mtp_cache = model.new_mtp_cache(batch, slots, decode_attention(prompt_width, cfg))
+    mtp_cache = model.new_mtp_cache(batch, slots, attention)
     _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
     return mtp_cache
 

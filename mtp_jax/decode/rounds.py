@@ -6,7 +6,7 @@ A round with j drafts (k = cfg.num_draft, the most a round may draft; n = a row'
      back its own hidden, give d_2..d_j.
   2. verify: the trunk runs [x_n, d_1..d_j] at positions n..n+j in one pass and accepts a drafts plus one token of
      its own (greedy: the longest agreeing prefix; sampling: rejection sampling).
-  3. commit: the emitted tokens, clipped at EOS and at max_new_tokens, go to the output; attention caches roll back
+  3. commit: the emitted tokens, clipped at EOS and at the row's budget, go to the output; attention caches roll back
      by length, recurrent states (hybrid trunks) by selection: the verify pass kept the state after every block
      position and each row keeps the one after its a + 1 inputs (`CausalLM.keep_verified`); the verify hiddens and
      emitted tokens become the next MTP block; n advances by a + 1.
@@ -154,7 +154,7 @@ def draft(ctx: RoundContext, round_: Round, s: LoopState) -> Drafts:
     position = s.position  # the next draft step's slot (the first sat at position - 1)
     tokens, dists = [], []
     for i in range(max(round_.num_draft, 1)):
-        keys = round_keys(s.row_keys, s.stats.rounds, 10 + i)
+        keys = round_keys(s.row_keys, s.num_generated, 10 + i)
         index, probs = choose(ctx.sampling, model.draft_logits(normed, ctx.draft_head), keys)
         token = model.draft_ids(index)
         tokens.append(token)
@@ -185,7 +185,7 @@ def verify(ctx: RoundContext, s: LoopState, drafts: jax.Array, draft_probs: jax.
         accepted, token = greedy_accept(drafts, logits)
         return Verdict(accepted, token, hidden, cache, None)
     target_probs = probabilities(logits, ctx.sampling)
-    keys = round_keys(s.row_keys, s.stats.rounds, 1)
+    keys = round_keys(s.row_keys, s.num_generated, 1)
     if j == 0:
         accepted, token = jnp.zeros_like(s.pending), jax.vmap(sample)(keys, target_probs[:, 0])
     else:
@@ -207,7 +207,7 @@ def emitted_tokens(ctx: RoundContext, s: LoopState, drafts: jax.Array, verdict: 
     else:  # nothing stops a row (and XLA would spend seconds constant-folding the empty search)
         hit_eos, eos_index = jnp.zeros_like(active), jnp.zeros_like(accepted)
     count = jnp.where(hit_eos, eos_index + 1, accepted + 1)
-    count = jnp.where(active, jnp.minimum(count, ctx.cfg.max_new_tokens - s.num_generated), 0)
+    count = jnp.where(active, jnp.minimum(count, s.budget - s.num_generated), 0)
     return emitted, count, active & hit_eos & (eos_index < count)
 
 
@@ -225,7 +225,7 @@ def commit(ctx: RoundContext, round_: Round, s: LoopState, drafts: Drafts, verdi
     state = s.replace(
         tokens=s.tokens.at[jnp.arange(batch)[:, None], write_at].set(emitted, mode="drop"),
         num_generated=num_generated,
-        done=s.done | eos_now | (num_generated >= ctx.cfg.max_new_tokens),
+        done=s.done | eos_now | (num_generated >= s.budget),
         finished_by_eos=s.finished_by_eos | eos_now,
         position=keep_active(active, s.position + verdict.accepted + 1, s.position),
         pending=keep_active(active, verdict.token, s.pending),

@@ -57,9 +57,10 @@ class GenerateOutput:
         return GenerateOutput(self.tokens[:1], self.lengths[:1], self.finished_by_eos[:1], stats)
 
 
-def _round_body(model, cfg: DecodeConfig, sampling, eos):
+def _round_body(model, cfg: DecodeConfig, sampling, eos, keep_going):
     """The while-loop body: a round with cfg.num_draft drafts, a draft tree's round (cfg.tree), or, adaptive, the
-    rounds the policy picks. Where the round costs say no draft can pay, adaptive decoding is plain decoding."""
+    rounds the policy picks while `keep_going` (state -> bool) holds. Where the round costs say no draft can pay,
+    adaptive decoding is plain decoding."""
     if cfg.tree:
         round_ = Round(RoundKind.TREE, cfg.num_draft, cfg.tree)
         return functools.partial(run_tree_round, round_context(model, cfg, sampling, eos, [round_]), round_)
@@ -67,20 +68,21 @@ def _round_body(model, cfg: DecodeConfig, sampling, eos):
     if cfg.adaptive and cfg.num_draft:
         costs = cfg.round_costs or _estimated_costs(model, cfg.num_draft)
         if drafting_can_pay(costs):
-            return _adaptive_body(model, cfg, sampling, eos, jnp.asarray(costs, jnp.float32))
+            return _adaptive_body(model, cfg, sampling, eos, jnp.asarray(costs, jnp.float32), keep_going)
         round_ = Round(RoundKind.PLAIN)
     return functools.partial(run_round, round_context(model, cfg, sampling, eos, [round_]), round_)
 
 
-def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array):
+def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array, keep_going):
     """The rounds `choose_round` picks (index c: a probe for 0, c drafts for 1..k, a rest for k + 1), a rest only
-    while every active row's MTP block has room or the rest schedule lets it slide.
+    while every active row's MTP block has room or the rest schedule lets it slide, while `keep_going` holds (the
+    caller's own loop condition: its loop then stops as soon as that turns false, not after this body's rounds).
 
     The body is a sequence of inner while-loops, one per kind of round, each running while the policy picks its
     kind, rather than a `lax.switch` between the kinds: a branch of a conditional may not update its operands in
     place, so every round through a switch copied the whole trunk cache, while a loop carries its buffers in place.
-    Each pass of the body runs at least one round (the loop whose kind is picked runs), so the outer loop ends when
-    every row is done."""
+    Each pass of the body runs at least one round where `keep_going` holds (the loop whose kind is picked runs), so
+    the outer loop ends."""
     drafting = [Round(RoundKind.DRAFT, j) for j in range(1, cfg.num_draft + 1)]
     rounds = [Round(RoundKind.PROBE), *drafting, Round(RoundKind.REST)]
     ctx = round_context(model, cfg, sampling, eos, rounds)  # the draft head gathered once for every kind of round
@@ -89,7 +91,7 @@ def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array):
         def cond(s: LoopState) -> jax.Array:
             block_has_room = jnp.all(s.done | (s.block.count < s.block.width))
             may_rest = s.adaptive.schedule.may_rest(block_has_room)
-            return ~jnp.all(s.done) & (choose_round(s.adaptive.tracker, costs, may_rest) == choice)
+            return keep_going(s) & (choose_round(s.adaptive.tracker, costs, may_rest) == choice)
 
         return cond
 
@@ -111,16 +113,17 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: Dec
     model: CausalLM = nnx.merge(graphdef, params)
     lone = _lone(model, cfg, prompt_ids.shape[0])
     prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
-    with _tracing(model, cfg):
+    with tracing(model, cfg):
         state = start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy)
-        body = round_step(model, cfg, sampling, greedy)
+        running = lambda s: ~jnp.all(s.done)
+        body = round_step(model, cfg, sampling, greedy, running)
         with jax.named_scope(DECODE_LOOP):  # planning reads a round off this loop's body
-            state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+            state = jax.lax.while_loop(running, body, state)
         return _output(state, cfg, lone)
 
 
 @contextlib.contextmanager
-def _tracing(model: CausalLM, cfg: DecodeConfig) -> Iterator[None]:
+def tracing(model: CausalLM, cfg: DecodeConfig) -> Iterator[None]:
     """What a decode program is traced under: the model's mesh rules (rows over `data`, heads and vocab over
     `model`), and one Numerics for every product and attention (ops/dispatch.py: fixed tiles on a GPU where
     batch-invariant numerics need them, the CPU kernels where they take a product)."""
@@ -162,7 +165,7 @@ def _output(state: LoopState, cfg: DecodeConfig, lone: bool) -> GenerateOutput:
 def _start_chunks(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg, greedy: bool, lone: bool):
     model: CausalLM = nnx.merge(graphdef, params)
     prompt_ids, prompt_lens, key, sampling = _twinned(lone, prompt_ids, prompt_lens, key, sampling)
-    with _tracing(model, cfg):
+    with tracing(model, cfg):
         return start_state(model, prompt_ids, prompt_lens, key, sampling, cfg, greedy), sampling
 
 
@@ -171,19 +174,25 @@ def _run_chunk(graphdef, params, state: LoopState, limit, sampling, cfg, greedy:
     """Rounds from `state` until every row is done or has at least `limit` tokens: (state, output so far)."""
     model: CausalLM = nnx.merge(graphdef, params)
     short = lambda s: jnp.any(~s.done & (s.num_generated < limit))
-    with _tracing(model, cfg):
-        state = jax.lax.while_loop(short, round_step(model, cfg, sampling, greedy), state)
+    with tracing(model, cfg):
+        state = jax.lax.while_loop(short, round_step(model, cfg, sampling, greedy, short), state)
         return state, _output(state, cfg, lone)
 
 
-def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
-    cfg = cfg or DecodeConfig()
-    if not cfg.invariant and has_int8_activations(model):  # activations rounded to int8: see DecodeConfig.invariant
+def checked_decode_config(model: CausalLM, cfg: DecodeConfig) -> DecodeConfig:
+    """`cfg` as `model` decodes it (batch-invariant where its activations are rounded to int8: see
+    DecodeConfig.invariant); settings the model cannot decode with raise ValueError."""
+    if not cfg.invariant and has_int8_activations(model):
         cfg = dataclasses.replace(cfg, invariant=True)
     if cfg.num_draft > 0 and not model.config.has_mtp:
         raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
     if cfg.tree:
         check_tree_model(model, cfg)
+    return cfg
+
+
+def _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling):
+    cfg = checked_decode_config(model, cfg or DecodeConfig())
     rules = model.sharding_rules
     if rules is not None and prompt_ids.shape[0] % rules.axis_size("batch"):
         size = rules.axis_size("batch")
@@ -339,10 +348,11 @@ def start_state(model: CausalLM, prompt_ids, prompt_lens, key, sampling, cfg: De
     return prefill(model, cfg, sampling, eos_ids(model, cfg), prompt_ids, prompt_lens, row_keys, slots)
 
 
-def round_step(model: CausalLM, cfg: DecodeConfig, sampling, greedy: bool):
-    """Traced inside jit, with the model's rules active, before the loop: the loop body `generate` runs (state ->
-    state), reading the model's quantized weights as prepared here, once (`quant.prepare_for_loop`)."""
-    return _round_body(prepare_for_loop(model), cfg, None if greedy else sampling, eos_ids(model, cfg))
+def round_step(model: CausalLM, cfg: DecodeConfig, sampling, greedy: bool, keep_going):
+    """Traced inside jit, with the model's rules active, before the loop: the body of a loop of rounds (state ->
+    state) whose condition is `keep_going` (state -> bool), reading the model's quantized weights as prepared here,
+    once (`quant.prepare_for_loop`)."""
+    return _round_body(prepare_for_loop(model), cfg, None if greedy else sampling, eos_ids(model, cfg), keep_going)
 
 
 def lower_generate(model: CausalLM, prompt_ids, prompt_lens, key, sampling, cfg: DecodeConfig, greedy: bool):

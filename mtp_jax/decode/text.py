@@ -1,10 +1,11 @@
 """Text in, text out: `generate_text` turns a list of prompts into answers, batching and padding them as
 `python -m mtp_jax.decode` does; the command runs its batches through `decode_batches` too.
 
-Prompts are tokenized (through the chat template when the tokenizer has one, unless `chat=False`), cut into batches
-of `batch_size` rows in input order, each batch right-padded to a bucketed width (`prompts.bucket`: few shapes, few
-compiles) and its last rows filled by repeating its first prompt; one compiled `generate` serves every batch of a
-width. Each row draws from its own stream, `fold_in(key(seed), prompt index)`, whatever batch it lands in.
+Prompts are tokenized (through the chat template when the tokenizer has one, unless `chat=False`). Up to
+`batch_size` of them decode as one batch of `generate`, right-padded to a bucketed width (`prompts.bucket`: few
+shapes, few compiles). More go through an `Engine` of `batch_size` slots: a row whose answer ends takes the next
+prompt at once, rather than idling until the longest answer of its batch ends. Each row draws from its own stream,
+`fold_in(key(seed), prompt index)`, whatever batch or slot it lands in.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode import default_drafting, speculative, stats
+from mtp_jax.decode.engine import Engine, Request
 from mtp_jax.decode.prompts import Prompt, bucket, encode_prompts, pad_batch
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.models.causal_lm import CausalLM
@@ -160,10 +162,14 @@ def decode_batches(
     sampling_for: Callable,
     on_results: Callable[[list[TextResult]], None],
     progress: bool = False,
+    refill: bool = True,
 ) -> dict:
-    """Decode `prompts` batch by batch, handing each batch's results to `on_results` as it finishes; the statistics
-    summary of the run. `sampling_for`: prompt indices [B] -> (keys [B], SamplingParams or None), as
+    """Decode `prompts` `batch_size` rows at a time, handing results to `on_results` in input order as they finish;
+    the statistics summary of the run. More prompts than rows go through slots that refill (`decode_in_slots`), or,
+    `refill` off, batch after batch. `sampling_for`: prompt indices [B] -> (keys [B], SamplingParams or None), as
     `row_sampling` makes it. `progress`: a progress bar on stderr when there are several batches."""
+    if refill and len(prompts) > batch_size:
+        return decode_in_slots(model, tokenizer, prompts, cfg, batch_size, sampling_for, on_results, progress)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     compiled, compile_seconds, wall, counters, generated, read = {}, 0.0, 0.0, None, 0, 0  # read: from the cache
     for batch in tqdm(batches, desc="decoding", unit="batch", disable=len(batches) < 2 or not progress,
@@ -189,22 +195,66 @@ def decode_batches(
                            compile_seconds=compile_seconds, compile_from_cache=read == len(compiled))  # fmt: skip
 
 
+def decode_in_slots(model: CausalLM, tokenizer, prompts: list[Prompt], cfg: DecodeConfig, slots: int,
+                    sampling_for: Callable, on_results: Callable[[list[TextResult]], None],
+                    progress: bool) -> dict:  # fmt: skip
+    """`decode_batches` for more prompts than rows: an `Engine` of `slots` rows, each refilled with the next prompt
+    as soon as its row is done. Results reach `on_results` in input order (a row waits for the rows before it)."""
+    max_len = max(len(p.token_ids) for p in prompts) + cfg.max_new_tokens
+    compile_before, lookups_before = compile_cache.compile_seconds(), compile_cache.lookups()
+    start = time.perf_counter()
+    engine = Engine(model, cfg, slots=slots, max_len=max_len)
+    order = {}
+    for prompt in prompts:
+        keys, sampling = sampling_for(np.asarray([prompt.index]))
+        settings = {} if sampling is None else {name: getattr(sampling, name)[0].item() for name in SAMPLING_FIELDS}
+        request = Request(prompt.token_ids, cfg.max_new_tokens, key=keys[0], **settings)
+        order[engine.submit(request)] = prompt
+    generated, finished, tokens = 0, {}, {request_id: [] for request_id in order}
+    position = {prompt.index: i for i, prompt in enumerate(prompts)}
+    written = 0
+    with tqdm(total=len(prompts), desc="decoding", unit="prompt", disable=not progress, file=sys.stderr) as bar:
+        while engine.busy:
+            for update in engine.step():
+                tokens[update.request_id] += update.tokens
+                if update.finished:
+                    prompt = order[update.request_id]
+                    ids = tokens.pop(update.request_id)
+                    finished[position[prompt.index]] = text_result(prompt, ids, update.finish_reason, tokenizer)
+                    generated += len(ids)
+                    bar.update()
+            ready = []
+            while written in finished:
+                ready.append(finished.pop(written))
+                written += 1
+            if ready:
+                on_results(ready)
+    wall = time.perf_counter() - start
+    compile_seconds = compile_cache.compile_seconds() - compile_before
+    hits, misses = (now - before for now, before in zip(compile_cache.lookups(), lookups_before, strict=True))
+    summary = engine.summary(generated, wall - compile_seconds, compile_seconds)
+    return {**summary, "compile_from_cache": hits > 0 and misses == 0, "slots": engine.slots}
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+
+
+def text_result(prompt: Prompt, generated: list[int], finish_reason: str, tokenizer) -> TextResult:
+    """A prompt's result from its generated ids."""
+    return TextResult(
+        index=prompt.index,
+        prompt=prompt.text if prompt.text is not None else list(prompt.token_ids),
+        text=tokenizer.decode(generated, skip_special_tokens=True) if tokenizer else "",
+        token_ids=generated,
+        finish_reason=finish_reason,
+    )
+
+
 def batch_results(batch: list[Prompt], out: speculative.GenerateOutput, tokenizer) -> list[TextResult]:
     """The results of a batch's prompts from `generate`'s output (padding rows past them dropped)."""
     tokens, lengths, by_eos = (to_host(x) for x in (out.tokens, out.lengths, out.finished_by_eos))
-    results = []
-    for row, prompt in enumerate(batch):
-        generated = tokens[row, : lengths[row]].tolist()
-        results.append(
-            TextResult(
-                index=prompt.index,
-                prompt=prompt.text if prompt.text is not None else list(prompt.token_ids),
-                text=tokenizer.decode(generated, skip_special_tokens=True) if tokenizer else "",
-                token_ids=generated,
-                finish_reason="eos" if by_eos[row] else "length",
-            )
-        )
-    return results
+    return [text_result(prompt, tokens[row, : lengths[row]].tolist(), "eos" if by_eos[row] else "length", tokenizer)
+            for row, prompt in enumerate(batch)]  # fmt: skip
 
 
 def row_sampling(cfg: DecodeConfig, seed: int, overrides: list[dict] | None = None) -> Callable:

@@ -161,7 +161,7 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     if ctx.sampling is None:
         picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N+1]
     else:
-        keys = jax.vmap(lambda key: jax.random.split(key, budget + 1))(round_keys(s.row_keys, s.stats.rounds, 1))
+        keys = jax.vmap(lambda key: jax.random.split(key, budget + 1))(round_keys(s.row_keys, s.num_generated, 1))
         picks = jax.vmap(jax.vmap(sample))(keys, probabilities(logits, ctx.sampling))  # [B, N+1]
     accepted, token, path = accepted_path(tree.tokens, parents, picks, depth)
     cache = tuple(move_slots(segment, s.position, path, budget + 1) for segment in cache)

@@ -121,9 +121,10 @@ def _rounds(graphdef, cfg: DecodeConfig, unroll: bool, params, caches, state, sa
     model = nnx.merge(graphdef, params)
     with sharding.activate(model.sharding_rules), loops.unrolled() if unroll else contextlib.nullcontext():
         state = state.replace(cache=caches[0], mtp_cache=caches[1])
-        body = speculative.round_step(model, cfg, sampling, greedy=True)
+        running = lambda s: ~jnp.all(s.done)
+        body = speculative.round_step(model, cfg, sampling, True, running)
         with jax.named_scope(speculative.DECODE_LOOP):
-            return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+            return jax.lax.while_loop(running, body, state)
 
 
 def compile_generate(model: CausalLM, work: Workload):

@@ -112,6 +112,26 @@ def count(hit: bool) -> None:
     _counts[HIT_EVENT if hit else MISS_EVENT] += 1
 
 
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event in COMPILE_STAGES:
+        _compile_time[0] += duration
+
+
+COMPILE_STAGES = (  # JAX's timed stages of making a program: tracing, lowering, the backend's compile
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compile_time = [0.0]
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling programs (reading them from the persistent
+    cache included), as JAX times them."""
+    return _compile_time[0]
+
+
 def lookups() -> tuple[int, int]:
     """(programs read from the persistent cache, programs looked for there and compiled) so far in this process."""
     return _counts[HIT_EVENT], _counts[MISS_EVENT]

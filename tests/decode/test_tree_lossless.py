@@ -125,7 +125,7 @@ def _state_after_rounds(graphdef, params, ids, lens, cfg, rounds: int):
     with dispatch.tracing(cfg.invariant):
         sampling = mtp_jax.SamplingParams.from_config(cfg, ids.shape[0])
         state = speculative.start_state(model, ids, lens, jax.random.key(0), sampling, cfg, greedy=True)
-        body = speculative.round_step(model, cfg, None, greedy=True)
+        body = speculative.round_step(model, cfg, None, True, lambda s: ~jnp.all(s.done))
         for _ in range(rounds):
             state = body(state)
         return state

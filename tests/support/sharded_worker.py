@@ -29,6 +29,7 @@ import mtp_jax
 from checkpoints_convert.__main__ import main as convert_main
 from mtp_jax.config.model import MoeConfig, MtpConfig
 from mtp_jax.conversion.export import save_hf_folder
+from mtp_jax.decode.engine import Engine, Request
 from mtp_jax.loading import heads
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention, grouped_attention
 from mtp_jax.models.kv_cache import cache_slots, long_cache_shards
@@ -397,12 +398,34 @@ def meshes_report(workdir: str) -> dict:
     return report
 
 
+def engine_report() -> dict:
+    """The dense model's engine with 4 slots over `data` (data=2,model=4), and hybrid's (its DeltaNet states reset
+    per slot), 8 prompts through 4 slots with two drafts a round: each request's tokens, and one `generate` batch's
+    on a single device."""
+    report = {}
+    models = {"gqa": predictable_model(seed=3, cfg=sharded_config()), "hybrid": predictable_hybrid_model(6)}
+    for name, model in models.items():
+        reference, _ = decode(model, 2)
+        engine = Engine(sharding.shard_model(model, sharding.make_mesh("data=2,model=4")),
+                        mtp_jax.DecodeConfig(num_draft=2), slots=4, max_len=int(LENS.max()) + NEW_TOKENS)  # fmt: skip
+        ids = {engine.submit(Request(IDS[i, : LENS[i]].tolist(), NEW_TOKENS)): i for i in range(len(LENS))}
+        tokens = {i: [] for i in range(len(LENS))}
+        while engine.busy:
+            for update in engine.step():
+                tokens[ids[update.request_id]] += update.tokens
+        report[name] = {"engine": [tokens[i] for i in range(len(LENS))], "reference": reference["tokens"],
+                        "lengths": reference["lengths"], "state_spec": spec_list(engine.state.tokens),
+                        "cache_spec": spec_list(jax.tree.leaves(engine.state.cache)[0])}  # fmt: skip
+    return report
+
+
 # The worker's parts, each run in a child of its own (tests/parallel/test_sharding.py, test_expert_parallel.py,
 # test_slot_sharded_caches.py): separate test files, so the test workers run them side by side.
 SECTIONS = {
     "meshes": meshes_report,
     "experts": lambda workdir: {"expert_parallel": expert_parallel_report(), "expert_layers": layer_report()},
     "slots": lambda workdir: {"slots": slot_sharded_report(), "slot_attention": slot_attention_report()},
+    "engine": lambda workdir: engine_report(),
 }
 
 

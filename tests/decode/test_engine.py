@@ -1,0 +1,161 @@
+"""`Engine`: slots that refill. Every request's tokens equal that prompt's decoding by `generate` (greedy under
+batch-invariant numerics, whatever the arrival order, the slot, the rows beside it and when it joined), sampled
+streams follow a request's seed and not its slot, cancelled rows free their slot, bad requests are refused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.decode.engine import Engine, Request
+from tests.support.hybrid_models import predictable_hybrid_model
+from tests.support.prompts import padded_prompts
+from tests.support.tiny_models import predictable_model, predictable_moe_model
+
+LENS = np.array([1, 7, 4, 10, 3, 9, 2, 12, 5, 6], np.int32)
+PROMPTS = padded_prompts(0, LENS, 24)
+BUDGETS = [24, 9, 24, 17, 24, 5, 20, 24, 13, 24]  # a request's max_tokens
+MAX_NEW = max(BUDGETS)
+SLOTS = 3
+MODELS = {
+    "gqa": lambda: predictable_model("deepseek", 11),
+    "mla_moe": lambda: predictable_moe_model("deepseek_v3", seed=2),
+    "hybrid": lambda: predictable_hybrid_model(seed=3),
+}
+
+
+def run_engine(engine: Engine, requests: list[Request], order: list[int], late: int = 0) -> dict:
+    """Each request's (tokens, finish reason), submitting them in `order`, the last `late` of them only once the
+    first are running (they join rows already mid-answer)."""
+    early, delayed = order[: len(order) - late], order[len(order) - late :]
+    ids = {engine.submit(requests[i]): i for i in early}
+    tokens, reasons, steps = {i: [] for i in order}, {}, 0
+    while engine.busy or delayed:
+        if steps == 2:
+            ids.update({engine.submit(requests[i]): i for i in delayed})
+            delayed = []
+        for update in engine.step():
+            tokens[ids[update.request_id]] += update.tokens
+            if update.finished:
+                reasons[ids[update.request_id]] = update.finish_reason
+        steps += 1
+    return {i: (tokens[i], reasons[i]) for i in order}
+
+
+def reference(model, cfg: mtp_jax.DecodeConfig, keys=None) -> dict:
+    """Every prompt decoded by one `generate` call (each row as alone: batch-invariant numerics, or the predictable
+    models' wide margins), cut at each request's budget."""
+    keys = jax.random.split(jax.random.key(0), len(LENS)) if keys is None else keys
+    out = jax.tree.map(np.asarray, mtp_jax.generate(model, PROMPTS, LENS, keys, cfg))
+    expected = {}
+    for i, budget in enumerate(BUDGETS):
+        tokens = out.tokens[i, : min(int(out.lengths[i]), budget)].tolist()
+        by_eos = bool(out.finished_by_eos[i]) and int(out.lengths[i]) <= budget
+        expected[i] = (tokens, "eos" if by_eos else "length")
+    return expected
+
+
+def requests(**settings) -> list[Request]:
+    return [Request(PROMPTS[i, : LENS[i]].tolist(), BUDGETS[i], **settings) for i in range(len(LENS))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_greedy_rows_equal_generate_whatever_their_slot(family):
+    """Ten prompts through three slots, submitted out of order, three joining rows already mid-answer, rows ending at
+    EOS mid-round and at their own budgets: each request's tokens are `generate`'s."""
+    model = MODELS[family]()
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=MAX_NEW, invariant=True)
+    expected = reference(model, cfg)
+    if family == "gqa":  # (the others' prompts end no row at EOS)
+        assert {reason for _, reason in expected.values()} == {"eos", "length"}
+    engine = Engine(model, cfg, slots=SLOTS, max_len=12 + MAX_NEW, rounds_per_piece=3)
+    got = run_engine(engine, requests(), [3, 0, 7, 1, 9, 2, 8, 4, 6, 5], late=3)
+    assert got == expected
+    stats = engine.stats()
+    assert stats["accepted"] > 0
+    assert stats["rounds"] < sum(len(t) for t, _ in expected.values()) / SLOTS  # rows shared the rounds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafting", ["plain", "adaptive", "tree"])
+def test_every_kind_of_round_refills(drafting):
+    """Plain steps, adaptive rounds (which run inner loops of one kind of round: they stop too as a row finishes)
+    and draft trees through the engine: `generate`'s tokens."""
+    model = MODELS["gqa"]()
+    settings = {"plain": dict(num_draft=0, invariant=True), "adaptive": dict(num_draft=3, adaptive=True,
+                invariant=True), "tree": dict(num_draft=2, tree=4, tree_width=2)}[drafting]  # fmt: skip
+    cfg = mtp_jax.DecodeConfig(max_new_tokens=MAX_NEW, **settings)
+    engine = Engine(model, cfg, slots=SLOTS, max_len=12 + MAX_NEW, rounds_per_piece=4)
+    assert run_engine(engine, requests(), list(range(len(LENS))), late=2) == reference(model, cfg)
+
+
+@pytest.mark.slow
+def test_a_sampled_stream_follows_its_seed_not_its_slot():
+    """Sampled rows: the same tokens through 3 slots in one order, through 4 in another, and from `generate` with
+    the request's key, for every request (its draws are counted by its own rounds)."""
+    model = MODELS["gqa"]()
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=MAX_NEW, invariant=True)
+    settings = dict(temperature=0.9, top_k=6)
+    batch = [Request(r.prompt_ids, r.max_tokens, seed=100 + i, **settings) for i, r in enumerate(requests())]
+    first = run_engine(Engine(model, cfg, slots=3, max_len=40), batch, list(range(len(LENS))))
+    second = run_engine(Engine(model, cfg, slots=4, max_len=48), batch, list(reversed(range(len(LENS)))), late=4)
+    assert first == second
+    keys = jnp.stack([jax.random.key(100 + i) for i in range(len(LENS))])
+    sampled = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=MAX_NEW, invariant=True, **settings)
+    expected = reference(model, sampled, keys)
+    assert first == expected
+    greedy = reference(model, cfg)
+    assert sum(first[i][0] != greedy[i][0] for i in first) >= 5  # the streams sampled
+
+
+@pytest.mark.slow
+def test_a_cancelled_request_frees_its_slot():
+    model = MODELS["gqa"]()
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=MAX_NEW, invariant=True)
+    engine = Engine(model, cfg, slots=2, max_len=40, rounds_per_piece=2)
+    batch = requests()
+    running, waiting = engine.submit(batch[0]), engine.submit(batch[1])
+    queued, last = engine.submit(batch[2]), engine.submit(batch[3])
+    assert engine.cancel(queued) and not engine.cancel(12345)
+    tokens, reasons = {running: [], waiting: [], last: []}, {}
+    first = engine.step()
+    assert engine.running == 2 and engine.waiting == 1
+    assert engine.cancel(running)
+    while engine.busy:
+        for update in first or engine.step():
+            tokens[update.request_id] += update.tokens
+            reasons[update.request_id] = update.finish_reason
+        first = None
+    expected = reference(model, cfg)
+    assert reasons[running] == "cancelled" and tokens[running] == expected[0][0][: len(tokens[running])]
+    assert (tokens[waiting], reasons[waiting]) == expected[1]
+    assert (tokens[last], reasons[last]) == expected[3]  # it took the cancelled row's slot
+    assert not engine.cancel(running)
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (Request([], 4), "empty"),
+        (Request([1, 2, 99], 4), r"token ids must be integers in \[0, 24\)"),
+        (Request([1, 2], 0), "max_tokens must be an integer >= 1"),
+        (Request([1] * 30, 12), "take 42 positions; a slot holds 40"),
+        (Request([1, 2], 4, temperature=-1.0), "temperature must be >= 0"),
+        (Request([1, 2], 4, top_p=0.0), r"top_p in \(0, 1\]"),
+    ],
+)
+def test_bad_requests_are_refused(request_, message):
+    engine = Engine(MODELS["gqa"](), mtp_jax.DecodeConfig(num_draft=1), slots=2, max_len=40)
+    with pytest.raises(ValueError, match=message):
+        engine.submit(request_)
+    assert not engine.busy
+
+
+@pytest.mark.parametrize("slots, max_len, message", [(0, 40, "slots"), (2, 1, "max_len"), (2, 10**6, "max_len")])
+def test_bad_engine_settings_are_refused(slots, max_len, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(MODELS["gqa"](), mtp_jax.DecodeConfig(num_draft=1), slots=slots, max_len=max_len)
