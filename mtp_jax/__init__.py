@@ -6,6 +6,7 @@ from mtp_jax.runtime import flax_import, platforms  # noqa: F401  (first: flax w
 # isort: on
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.config.model import ModelConfig, MtpConfig, RopeConfig
+from mtp_jax.decode.engine import Engine, Request, Update
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import GenerateOutput, generate, generate_chunks
 from mtp_jax.decode.text import TextOutput, TextResult, generate_text
@@ -18,13 +19,16 @@ from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers
 __all__ = [
     "CausalLM",
     "DecodeConfig",
+    "Engine",
     "GenerateOutput",
     "ModelConfig",
     "MtpConfig",
+    "Request",
     "RopeConfig",
     "SamplingParams",
     "TextOutput",
     "TextResult",
+    "Update",
     "generate",
     "generate_chunks",
     "generate_text",

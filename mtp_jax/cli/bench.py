@@ -22,6 +22,7 @@ from mtp_jax.bench.environment import metadata
 from mtp_jax.bench.peers import LlamaCppRun, PeerRun, llama_cpp_available, load_llama_cpp, load_peer
 from mtp_jax.bench.timing import measured_bandwidth, ratio, time_batch
 from mtp_jax.cli.arguments import add_storage_arguments, positive_int
+from mtp_jax.cli.bench_serve import run_serve, serve_markdown
 from mtp_jax.cli.bench_slots import refill_markdown, run_refill
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
@@ -94,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refill", action="store_true", help="instead: decode --prompts held-out prompts through "
                         "slots that refill and through static batches of each --batch-sizes rows, side by side "
                         "(answers end at EOS; --max-new-tokens caps them)")  # fmt: skip
-    parser.add_argument("--prompts", type=positive_int, default=128, help="with --refill: how many (default 128)")
+    parser.add_argument("--serve", action="store_true", help="instead: a load test of python -m mtp_jax.serve with "
+                        "--batch-sizes slots, without MTP and with the largest --num-draft, through the openai "
+                        "client, beside the same engine's offline rate")  # fmt: skip
+    parser.add_argument("--prompts", type=positive_int, default=128, help="with --refill or --serve: how many held-out "
+                        "prompts (cycled; default 128)")  # fmt: skip
+    parser.add_argument("--clients", type=positive_int, default=16, help="with --serve: requests in flight at most")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="with --serve: Poisson arrivals a "
+                        "second (default inf: all at once)")  # fmt: skip
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--markdown", help="write the table as markdown here")
     compile_cache.add_argument(parser)
@@ -157,6 +165,10 @@ def run(args) -> dict:
         raise UserError("--random-shape takes no --head and has no transformers peer (--peer)")
     if 0 in args.batch_sizes:
         raise UserError("--batch-sizes must be >= 1")
+    if args.refill and args.serve:
+        raise UserError("--refill and --serve are two different runs: one at a time")
+    if not args.request_rate > 0:
+        raise UserError(f"--request-rate must be > 0, got {args.request_rate}")
     if args.adaptive and not args.split:
         raise UserError("--adaptive needs --split: the adaptive round costs come from the split timing")
     args.adaptive = args.split if args.adaptive is None else args.adaptive
@@ -175,6 +187,8 @@ def run(args) -> dict:
     dtype = np.dtype(model.dtype).name
     if args.refill:
         return run_refill(args, model, tokenizer, label, dtype, notes)
+    if args.serve:
+        return run_serve(args, model, tokenizer, label, dtype, notes)
     prompts = read_prompts(args, model, tokenizer)
     peer = load_peer(peer_path, dtype) if peer_path else None
     llama = llama_cpp_peer(args, peer_path, prompts, notes)
@@ -304,7 +318,7 @@ def markdown(result: dict) -> str:
 
 def report(args) -> int:
     result = run(args)
-    table = refill_markdown(result) if args.refill else markdown(result)
+    table = refill_markdown(result) if args.refill else serve_markdown(result) if args.serve else markdown(result)
     print(table)
     if args.json:
         with open(args.json, "w") as f:

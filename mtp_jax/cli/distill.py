@@ -14,12 +14,11 @@ import sys
 import time
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from mtp_jax.config.decode import DecodeConfig
-from mtp_jax.decode.prompts import Prompt, bucket, encode_prompts, pad_batch
-from mtp_jax.decode.speculative import generate
+from mtp_jax.decode.engine import Engine, Request
+from mtp_jax.decode.prompts import encode_prompts
 from mtp_jax.loading import checkpoint
 from mtp_jax.loading.hub import MODEL_HELP
 from mtp_jax.runtime import compile_cache
@@ -39,30 +38,36 @@ def distill(
     seed: int = 0,
 ) -> list[dict]:
     """Plain-decoded (k = 0) responses to chat-templated prompts, as full token sequences: greedy, or sampled at
-    `temperature` with prompt i's stream from key(seed) folded with i."""
+    `temperature` with prompt i's stream from key(seed) folded with i. `batch_size` rows decode at once, slots that
+    refill (`Engine`): a row whose answer ends takes the next prompt."""
     encoded = encode_prompts(
         [p["prompt"] for p in prompts], tokenizer, chat=True, vocab_size=model.config.vocab_size,
         context=model.config.max_position_embeddings,
     )  # fmt: skip
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].token_ids))  # similar lengths batch together
-    cfg = DecodeConfig(num_draft=0, max_new_tokens=max_new_tokens, temperature=temperature)
+    cfg = DecodeConfig(num_draft=0, max_new_tokens=max_new_tokens)
+    engine = Engine(model, cfg, slots=min(batch_size, len(encoded)),
+                    max_len=max(len(p.token_ids) for p in encoded) + max_new_tokens)  # fmt: skip
     root = jax.random.key(seed)
+    prompt_of = {}
+    for prompt in encoded:
+        request = Request(prompt.token_ids, max_new_tokens, temperature=temperature,
+                          key=jax.random.fold_in(root, prompt.index))  # fmt: skip
+        prompt_of[engine.submit(request)] = prompt
+    responses = {request_id: [] for request_id in prompt_of}
     records: list[dict | None] = [None] * len(encoded)
-    for start in tqdm(range(0, len(order), batch_size), desc="distilling", unit="batch", file=sys.stderr):
-        batch: list[Prompt] = [encoded[i] for i in order[start : start + batch_size]]
-        ids, lens = pad_batch(batch, batch_size, bucket(max(len(p.token_ids) for p in batch), minimum=32))
-        streams = [p.index for p in batch] + [len(encoded)] * (batch_size - len(batch))  # padding rows: a spare one
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(root, np.asarray(streams, np.uint32))  # [B]
-        out = generate(model, ids, lens, keys, cfg)
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
-        for row, prompt in enumerate(batch):
-            response = tokens[row, : lengths[row]].tolist()
-            records[prompt.index] = {
-                "token_ids": list(prompt.token_ids) + response,
-                "prompt_len": len(prompt.token_ids),
-                "category": prompts[prompt.index].get("category", ""),
-                "prompt": prompts[prompt.index]["prompt"],
-            }
+    with tqdm(total=len(encoded), desc="distilling", unit="prompt", file=sys.stderr) as bar:
+        while engine.busy:
+            for update in engine.step():
+                responses[update.request_id] += update.tokens
+                if update.finished:
+                    prompt = prompt_of[update.request_id]
+                    records[prompt.index] = {
+                        "token_ids": list(prompt.token_ids) + responses.pop(update.request_id),
+                        "prompt_len": len(prompt.token_ids),
+                        "category": prompts[prompt.index].get("category", ""),
+                        "prompt": prompts[prompt.index]["prompt"],
+                    }
+                    bar.update()
     return records
 
 

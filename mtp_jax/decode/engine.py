@@ -30,15 +30,17 @@ from flax import nnx
 
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode import stats as decode_stats
+from mtp_jax.decode.prefill import PromptPart
 from mtp_jax.decode.prompts import bucket
 from mtp_jax.decode.sampling import SamplingParams
-from mtp_jax.decode.slot_programs import SlotLayout, empty_slots, insert_rows, run_rounds
+from mtp_jax.decode.slot_programs import SlotLayout, empty_part, empty_slots, extend_part, insert_rows, run_rounds
 from mtp_jax.decode.speculative import checked_decode_config
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import cache_slots, decode_attention, long_cache_shards
 from mtp_jax.parallel.sharding import to_host
 
 ROUNDS_PER_PIECE = 8  # the most rounds between two looks at the queue (and two streamed updates)
+PREFILL_CHUNK = 256  # prompts longer than this are prefilled this many tokens a step, between pieces of rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,17 @@ class Update:
 
 
 @dataclasses.dataclass
+class _Staged:
+    """A long prompt being prefilled a chunk a step into the slot reserved for it."""
+
+    request_id: int
+    request: Request
+    slot: int
+    part: PromptPart  # the caches over its first `prefilled` tokens (rows: the engine's insert unit)
+    prefilled: int = 0
+
+
+@dataclasses.dataclass
 class _Running:
     request_id: int
     request: Request
@@ -77,7 +90,7 @@ class Engine:
     is unused (each request brings its budget). Not thread-safe: one thread submits, cancels and steps."""
 
     def __init__(self, model: CausalLM, cfg: DecodeConfig | None = None, *, slots: int = 8, max_len: int | None = None,
-                 rounds_per_piece: int = ROUNDS_PER_PIECE):  # fmt: skip
+                 rounds_per_piece: int = ROUNDS_PER_PIECE, prefill_chunk: int | None = PREFILL_CHUNK):  # fmt: skip
         cfg = checked_decode_config(model, cfg or DecodeConfig())
         context = model.config.max_position_embeddings
         max_len = min(context, 4096) if max_len is None else max_len
@@ -87,6 +100,10 @@ class Engine:
             raise ValueError(f"max_len must be an integer in [2, {context}] (the model's context), got {max_len!r}")
         if rounds_per_piece < 1:
             raise ValueError(f"rounds_per_piece must be >= 1, got {rounds_per_piece}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):  # fmt: skip
+            raise ValueError(f"prefill_chunk must be an integer >= 1 or None, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         shards = 1 if model.sharding_rules is None else model.sharding_rules.axis_size("batch")
         if cfg.invariant:  # a lone row would be summed otherwise than a row of a batch (speculative._lone)
             slots = max(slots, 2)
@@ -106,9 +123,12 @@ class Engine:
         self._sampling = SamplingParams.from_config(self.cfg, self.slots)
         self._running: list[_Running | None] = [None] * self.slots
         self._released = np.zeros((self.slots,), bool)
+        self._staged: _Staged | None = None
+        self._reserved: set[int] = set()  # the staged prompt's slot
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
         self._next_id = 0
-        self.seconds = {"insert": 0.0, "rounds": 0.0}
+        self.seconds = {"insert": 0.0, "rounds": 0.0}  # host time in inserts (chunks included) and in rounds
+        self.chunks_prefilled = 0  # long prompts' chunks before their last
 
     # ---- the queue ----
 
@@ -135,12 +155,16 @@ class Engine:
             raise ValueError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
 
     def cancel(self, request_id: int) -> bool:
-        """End a request: dropped from the queue, or its row released at the next step (its last update says
-        "cancelled"). False when it is not (or no longer) there."""
+        """End a request: dropped from the queue (or from its chunked prefill), or its row released at the next step
+        (its last update says "cancelled"). False when it is not (or no longer) there."""
         for i, (waiting_id, _) in enumerate(self._waiting):
             if waiting_id == request_id:
                 del self._waiting[i]
                 return True
+        if self._staged is not None and self._staged.request_id == request_id:
+            self._reserved.discard(self._staged.slot)
+            self._staged = None
+            return True
         for slot, running in enumerate(self._running):
             if running is not None and running.request_id == request_id:
                 self._released[slot] = True
@@ -150,11 +174,12 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Whether a request waits or runs."""
-        return bool(self._waiting) or any(r is not None for r in self._running)
+        return bool(self._waiting) or self._staged is not None or any(r is not None for r in self._running)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Requests without a row yet: queued, or a long prompt being prefilled."""
+        return len(self._waiting) + (self._staged is not None)
 
     @property
     def running(self) -> int:
@@ -201,20 +226,43 @@ class Engine:
         return updates
 
     def _admit(self) -> None:
-        """Prefill as many waiting requests as there are free slots, in one insert."""
-        free = [slot for slot, running in enumerate(self._running) if running is None]
-        joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        if not joining:
-            return
+        """Move the long prompt being prefilled on by a chunk (into its slot when it is the last), and prefill as
+        many short waiting requests as there are free slots, in one insert; a long one starts its chunks when no
+        other is being prefilled."""
+        if self._staged is not None:
+            self._advance_staged()
+        free = [slot for slot, running in enumerate(self._running) if running is None and slot not in self._reserved]
+        joining, skipped = [], collections.deque()
+        while self._waiting and len(joining) < len(free):
+            request_id, request = self._waiting.popleft()
+            if not self._is_long(request):
+                joining.append((request_id, request))
+            elif self._staged is None:
+                self._start_staged(request_id, request, free.pop())
+            else:
+                skipped.append((request_id, request))
+        self._waiting.extendleft(reversed(skipped))
+        if joining:
+            self._insert(joining, free[: len(joining)])
+
+    def _is_long(self, request: Request) -> bool:
+        return self.prefill_chunk is not None and len(request.prompt_ids) > self.prefill_chunk
+
+    def _insert(self, joining: list[tuple[int, Request]], slots: list[int], part=None) -> None:
+        """One insert of the `joining` requests into `slots` (with `part`: the last chunk of one long prompt, whose
+        earlier chunks `part` holds)."""
         rows = self._insert_rows(len(joining))
-        width = min(bucket(max(len(r.prompt_ids) for _, r in joining)), self.max_len)
+        offset = 0 if part is None else self._staged.prefilled
+        width = min(bucket(max(len(r.prompt_ids) - offset for _, r in joining)), self.max_len - offset)
         ids = np.zeros((rows, width), np.int32)
         lens = np.ones((rows,), np.int32)
         where = np.full((rows,), self.slots, np.int32)  # padding rows land past the last slot: dropped
-        for row, ((request_id, request), slot) in enumerate(zip(joining, free, strict=False)):
-            ids[row, : len(request.prompt_ids)] = request.prompt_ids
-            lens[row], where[row] = len(request.prompt_ids), slot
+        for row, ((request_id, request), slot) in enumerate(zip(joining, slots, strict=True)):
+            ids[row, : len(request.prompt_ids) - offset] = request.prompt_ids[offset:]
+            lens[row], where[row] = len(request.prompt_ids) - offset, slot
             self._running[slot] = _Running(request_id, request)
+        if part is not None:  # the padding rows decode the same prompt, dropped as well
+            ids[1:], lens[1:] = ids[0], lens[0]
         requests = [r for _, r in joining] + [joining[0][1]] * (rows - len(joining))
         keys = jnp.stack([r.key if r.key is not None else jax.random.key(r.seed) for r in requests])
         sampling = SamplingParams(
@@ -227,9 +275,34 @@ class Engine:
         start = time.perf_counter()
         self._state, self._sampling = insert_rows(
             self._graphdef, self._params, self._state, self._sampling, jnp.asarray(ids), jnp.asarray(lens), keys,
-            sampling, budget, jnp.asarray(where), cfg=self.cfg, layout=self._layout, greedy=greedy,
+            sampling, budget, jnp.asarray(where), part, cfg=self.cfg, layout=self._layout, greedy=greedy,
         )  # fmt: skip
         self.seconds["insert"] += time.perf_counter() - start
+
+    def _start_staged(self, request_id: int, request: Request, slot: int) -> None:
+        """Reserve `slot` for a long prompt and prefill its first chunk."""
+        part = empty_part(self._graphdef, self._params, cfg=self.cfg, layout=self._layout, rows=self._insert_unit)
+        self._reserved.add(slot)
+        self._staged = _Staged(request_id, request, slot, part)
+        self._advance_staged()
+
+    def _advance_staged(self) -> None:
+        """The long prompt's next chunk: into its caches, or, the last, into its slot."""
+        staged, chunk = self._staged, self.prefill_chunk
+        ids = staged.request.prompt_ids
+        start = time.perf_counter()
+        if len(ids) - staged.prefilled > chunk:
+            piece = np.asarray(ids[staged.prefilled : staged.prefilled + chunk + 1], np.int32)  # + the token after
+            rows = np.broadcast_to(piece, (self._insert_unit, chunk + 1))
+            staged.part = extend_part(self._graphdef, self._params, staged.part, jnp.asarray(rows[:, :chunk]),
+                                      jnp.asarray(rows[:, chunk]), cfg=self.cfg)  # fmt: skip
+            staged.prefilled += chunk
+            self.chunks_prefilled += 1
+            self.seconds["insert"] += time.perf_counter() - start
+            return
+        self._insert([(staged.request_id, staged.request)], [staged.slot], staged.part)
+        self._reserved.discard(staged.slot)
+        self._staged = None
 
     def _insert_rows(self, joining: int) -> int:
         """Rows of an insert of `joining` requests: the next power of two, a multiple of the insert unit (the

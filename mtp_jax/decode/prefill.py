@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import (
@@ -18,24 +19,53 @@ from mtp_jax.decode.loop_state import (
 )
 from mtp_jax.decode.sampling import SamplingParams, probabilities, sample
 from mtp_jax.models.causal_lm import CausalLM
-from mtp_jax.models.kv_cache import decode_attention
+from mtp_jax.models.kv_cache import KVCache, decode_attention
+
+
+@struct.dataclass
+class PromptPart:
+    """The caches over the first `start` tokens of long prompts, prefilled a chunk at a time (`prefill_part`), for
+    `prefill` to finish."""
+
+    start: jax.Array  # [B] tokens the caches hold
+    cache: tuple  # the trunk's, per segment
+    mtp_cache: KVCache | None  # None without MTP
+
+    @classmethod
+    def empty(cls, model: CausalLM, cfg: DecodeConfig, batch: int, slots: int, attention: str) -> PromptPart:
+        mtp_cache = model.new_mtp_cache(batch, slots, attention) if cfg.num_draft else None
+        return cls(jnp.zeros((batch,), jnp.int32), model.new_cache(batch, slots, attention), mtp_cache)
+
+
+def prefill_part(model: CausalLM, cfg: DecodeConfig, ids: jax.Array, following: jax.Array, part: PromptPart):
+    """`part` extended over the next whole chunk of its prompts (ids [B, C]; following [B]: each prompt's token
+    after the chunk, which the MTP layer pairs with the chunk's last hidden)."""
+    positions = part.start[:, None] + jnp.arange(ids.shape[1])  # [B, C]
+    hidden, cache = model.trunk(ids, positions, part.cache)  # [B, C, D]
+    mtp_cache = part.mtp_cache
+    if cfg.num_draft:
+        next_tokens = jnp.concatenate([ids[:, 1:], following[:, None]], axis=1)  # [B, C]
+        _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
+    return PromptPart(part.start + ids.shape[1], cache, mtp_cache)
 
 
 def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None, eos: jax.Array,
             prompt_ids: jax.Array, prompt_lens: jax.Array, row_keys: jax.Array, slots: int,
-            budget: jax.Array | None = None, attention: str | None = None) -> LoopState:  # fmt: skip
+            budget: jax.Array | None = None, attention: str | None = None,
+            part: PromptPart | None = None) -> LoopState:  # fmt: skip
     """Trunk (and MTP) over the padded prompts (ids [B, P], lens [B], one key per row [B], caches of `slots`); the
     first token from each row's last prompt position (sampled unless `sampling` is None); `eos` [E] ends a row.
     `budget` [B]: each row's most tokens (cfg.max_new_tokens when None, at most that); `attention`: the caches' form
-    (`decode_attention` of the prompt width when None)."""
+    (`decode_attention` of the prompt width when None). `part`: the caches over the prompts' earlier tokens (the
+    ids are then their last chunk, from position `part.start` on); None: the ids are the whole prompts."""
     batch, prompt_width = prompt_ids.shape
     k = cfg.num_draft
     budget = jnp.full((batch,), cfg.max_new_tokens, jnp.int32) if budget is None else budget
     attention = attention or decode_attention(prompt_width, cfg)
-    positions = jnp.broadcast_to(jnp.arange(prompt_width), (batch, prompt_width))
-    cache = model.new_cache(batch, slots, attention)
-    hidden, cache = model.trunk(prompt_ids, positions, cache, lengths=prompt_lens)  # [B, P, D]
-    last = prompt_lens - 1
+    part = part or PromptPart.empty(model, cfg, batch, slots, attention)
+    positions = part.start[:, None] + jnp.arange(prompt_width)  # [B, P]
+    hidden, cache = model.trunk(prompt_ids, positions, part.cache, lengths=prompt_lens)  # [B, P, D]
+    last = prompt_lens - 1  # each row's last prompt token, in the ids
     last_hidden = gather_rows(hidden, last)  # [B, D]
     logits = model.logits(last_hidden)
     if sampling is None:
@@ -51,7 +81,7 @@ def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None,
         num_generated=jnp.ones((batch,), jnp.int32),
         done=hit_eos | (budget <= 1),
         finished_by_eos=hit_eos,
-        position=prompt_lens,
+        position=part.start + prompt_lens,
         pending=first,
         cache=cache,
         mtp_cache=None,
@@ -63,17 +93,16 @@ def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None,
     )
     if k == 0:
         return state
-    mtp_cache = mtp_over_prompt(model, prompt_ids, positions, last, hidden, first, slots, attention)
-    return state.replace(mtp_cache=mtp_cache, block=first_block(cfg, last_hidden, first, last))
+    mtp_cache = mtp_over_prompt(model, prompt_ids, positions, last, hidden, first, part.mtp_cache)
+    return state.replace(mtp_cache=mtp_cache, block=first_block(cfg, last_hidden, first, part.start + last))
 
 
-def mtp_over_prompt(model: CausalLM, prompt_ids, positions, last, hidden, first, slots: int, attention: str):
+def mtp_over_prompt(model: CausalLM, prompt_ids, positions, last, hidden, first, mtp_cache):
     """The MTP cache over the prompts (ids and positions [B, P], hidden [B, P, D]): slot p pairs h[p] with x[p+1];
-    each row's last prompt slot (last [B]) pairs with its first token (first [B])."""
-    batch, prompt_width = prompt_ids.shape
+    each row's last prompt token (last [B], its index in the ids) pairs with its first token (first [B])."""
+    prompt_width = prompt_ids.shape[1]
     next_tokens = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
     next_tokens = jnp.where(jnp.arange(prompt_width) == last[:, None], first[:, None], next_tokens)
-    mtp_cache = model.new_mtp_cache(batch, slots, attention)
     _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
     return mtp_cache
 

@@ -6,6 +6,8 @@ a request holds from its insert until its row is done.
   of the state: caches, MTP cache and block, pending token, budget, random stream: everything a row owns starts
   fresh. Leaves shared by all rows (the counters, adaptive decoding's acceptance estimate) are kept. Rows of `where`
   past the last slot are padding and dropped.
+- `empty_part`, `extend_part`: a long prompt's caches, prefilled a chunk at a time between pieces of rounds (so the
+  running rows wait for a chunk, not for the whole prompt); `insert_rows` then prefills its last chunk after them.
 - `run_rounds`: rounds over every slot until a row that was running finishes or `max_rounds` rounds ran (so waiting
   requests get a slot soon). Free slots ride along as done rows, as finished rows of a static batch do.
 
@@ -23,7 +25,7 @@ from flax import nnx, struct
 
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import LoopState
-from mtp_jax.decode.prefill import prefill
+from mtp_jax.decode.prefill import PromptPart, prefill, prefill_part
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import eos_ids, round_step, tracing
 from mtp_jax.models.causal_lm import CausalLM
@@ -53,10 +55,11 @@ class SlotView:
 
 
 def _fresh_rows(model: CausalLM, cfg: DecodeConfig, layout: SlotLayout, greedy: bool, prompt_ids, prompt_lens, keys,
-                sampling: SamplingParams, budget) -> LoopState:  # fmt: skip
-    """The loop state of the prompts' rows after their prefill, in the engine's cache shape."""
+                sampling: SamplingParams, budget, part: PromptPart | None = None) -> LoopState:  # fmt: skip
+    """The loop state of the prompts' rows after their prefill (of the last chunk after `part`), in the engine's
+    cache shape."""
     return prefill(model, cfg, None if greedy else sampling, eos_ids(model, cfg), prompt_ids, prompt_lens, keys,
-                   layout.cache_slots, budget, layout.attention)  # fmt: skip
+                   layout.cache_slots, budget, layout.attention, part)  # fmt: skip
 
 
 def row_axes(model: CausalLM, cfg: DecodeConfig, layout: SlotLayout, prompt_width: int):
@@ -108,17 +111,33 @@ def empty_slots(graphdef, params, cfg: DecodeConfig, layout: SlotLayout) -> Loop
     jax.jit, static_argnames=("graphdef", "cfg", "layout", "greedy"), donate_argnames=("state", "sampling")
 )
 def insert_rows(graphdef, params, state: LoopState, sampling: SamplingParams, prompt_ids, prompt_lens, keys,
-                row_sampling: SamplingParams, budget, where, cfg: DecodeConfig, layout: SlotLayout,
-                greedy: bool):  # fmt: skip
-    """Prefill prompts [n, P] (lens [n], keys [n], settings and budgets [n]) into slots `where` [n]: the new state
-    and slot settings."""
+                row_sampling: SamplingParams, budget, where, part: PromptPart | None, cfg: DecodeConfig,
+                layout: SlotLayout, greedy: bool):  # fmt: skip
+    """Prefill prompts [n, P] (lens [n], keys [n], settings and budgets [n]; their last chunk after `part` when
+    given) into slots `where` [n]: the new state and slot settings."""
     model: CausalLM = nnx.merge(graphdef, params)
     with tracing(model, cfg):
-        fresh = _fresh_rows(model, cfg, layout, greedy, prompt_ids, prompt_lens, keys, row_sampling, budget)
+        fresh = _fresh_rows(model, cfg, layout, greedy, prompt_ids, prompt_lens, keys, row_sampling, budget, part)
         axes = row_axes(model, cfg, layout, prompt_ids.shape[1])
     state = scatter_rows(state, fresh, where, axes)
     sampling = jax.tree.map(lambda old, new: old.at[where].set(new, mode="drop"), sampling, row_sampling)
     return state, sampling
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "rows"))
+def empty_part(graphdef, params, cfg: DecodeConfig, layout: SlotLayout, rows: int) -> PromptPart:
+    """Caches of `rows` rows for long prompts prefilled a chunk at a time."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    with tracing(model, cfg):
+        return PromptPart.empty(model, cfg, rows, layout.cache_slots, layout.attention)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("part",))
+def extend_part(graphdef, params, part: PromptPart, ids, following, cfg: DecodeConfig) -> PromptPart:
+    """`part` over the next chunk of its prompts (ids [n, C], the tokens after it [n])."""
+    model: CausalLM = nnx.merge(graphdef, params)
+    with tracing(model, cfg):
+        return prefill_part(model, cfg, ids, following, part)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"), donate_argnames=("state",))

@@ -11,6 +11,8 @@ import pytest
 
 import mtp_jax
 from mtp_jax.decode.engine import Engine, Request
+from mtp_jax.decode.prefill import PromptPart, prefill, prefill_part
+from mtp_jax.ops import dispatch
 from tests.support.hybrid_models import predictable_hybrid_model
 from tests.support.prompts import padded_prompts
 from tests.support.tiny_models import predictable_model, predictable_moe_model
@@ -78,6 +80,53 @@ def test_greedy_rows_equal_generate_whatever_their_slot(family):
     stats = engine.stats()
     assert stats["accepted"] > 0
     assert stats["rounds"] < sum(len(t) for t, _ in expected.values()) / SLOTS  # rows shared the rounds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gqa", "hybrid"])
+def test_long_prompts_prefill_in_chunks_between_rounds(family):
+    """Prompts over 4 tokens prefilled 4 at a time (a chunk a step, the other rows' rounds running between chunks;
+    DeltaNet states carried from chunk to chunk): `generate`'s tokens. A long prompt cancelled mid-prefill frees its
+    slot."""
+    model = MODELS[family]()
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=MAX_NEW, invariant=True)
+    engine = Engine(model, cfg, slots=SLOTS, max_len=12 + MAX_NEW, rounds_per_piece=3, prefill_chunk=4)
+    cancelled = engine.submit(Request(PROMPTS[7, : LENS[7]].tolist(), 4))
+    engine.step()
+    assert engine.waiting == 1 and engine.running == 0 and engine.cancel(cancelled)
+    assert run_engine(engine, requests(), [3, 0, 7, 1, 9, 2, 8, 4, 6, 5], late=3) == reference(model, cfg)
+    assert engine.chunks_prefilled == 1 + sum((n - 1) // 4 for n in LENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gqa", "hybrid"])
+def test_a_prompt_prefilled_in_chunks_holds_the_caches_of_one_prefill(family):
+    """Chunks of 4, 4 and 3 tokens (`prefill_part` twice, then `prefill` after them) leave the trunk cache, the MTP
+    cache and the loop state of one prefill over the 11 tokens, in the slots the prompt holds (to float32 rounding:
+    batch-invariant numerics make a row's sums independent of the other rows, not of the block's width)."""
+    model = MODELS[family]()
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=8, invariant=True)
+    ids = jnp.asarray(np.tile(PROMPTS[7, :11], (2, 1)))  # [2, 11]: two rows (a lone row sums otherwise)
+    slots, form = 256, "invariant"
+
+    def whole():
+        with dispatch.tracing(True):
+            return prefill(model, cfg, None, jnp.zeros((0,), jnp.int32), ids, jnp.full((2,), 11), keys, slots,
+                           attention=form)  # fmt: skip
+
+    def chunked():
+        with dispatch.tracing(True):
+            part = PromptPart.empty(model, cfg, 2, slots, form)
+            for start in (0, 4):
+                part = prefill_part(model, cfg, ids[:, start : start + 4], ids[:, start + 4], part)
+            return prefill(model, cfg, None, jnp.zeros((0,), jnp.int32), ids[:, 8:], jnp.full((2,), 3), keys, slots,
+                           attention=form, part=part)  # fmt: skip
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    one, parts = (jax.jit(build)().replace(row_keys=None) for build in (whole, chunked))
+    held = lambda x: x[:, :, :11] if x.ndim >= 3 and x.shape[2] == slots else x  # [L, B, S, ...]: the prompt's slots
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(parts), strict=True):
+        np.testing.assert_allclose(np.asarray(held(a)), np.asarray(held(b)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

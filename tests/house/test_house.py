@@ -24,6 +24,7 @@ LAZY_IMPORTS = (
     "llama_cpp",
     "huggingface_hub.snapshot_download",
     "orbax.checkpoint",
+    "openai",  # the load test's client (bench --serve)
 )
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 400
@@ -46,6 +47,7 @@ PACKAGE_ORDER = (
     "decode",  # the loop: generate, rounds, sampling, text in and out
     "training",  # MTP head training and its evaluation
     "plan",  # compiling for a topology and reading the program
+    "serve",  # the OpenAI-compatible HTTP server over the decode engine
     "bench",  # the peers the benchmark times
     "cli",  # every command: arguments and output
 )
