@@ -25,6 +25,7 @@ from mtp_jax.cli.arguments import add_storage_arguments, positive_int
 from mtp_jax.cli.bench_serve import run_serve, serve_markdown
 from mtp_jax.cli.bench_slots import refill_markdown, run_refill
 from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.decode.engine import PREFILL_CHUNK
 from mtp_jax.decode.prompts import bucket, encode_prompts, pad_batch, read_prompt_file
 from mtp_jax.decode.tree import check_tree_model
 from mtp_jax.loading import checkpoint
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=positive_int, default=128, help="with --refill or --serve: how many held-out "
                         "prompts (cycled; default 128)")  # fmt: skip
     parser.add_argument("--clients", type=positive_int, default=16, help="with --serve: requests in flight at most")
+    parser.add_argument("--prefill-chunk", type=positive_int, default=PREFILL_CHUNK, help="with --serve: the "
+                        f"server's --prefill-chunk (default {PREFILL_CHUNK}; a run of whole prompts too)")  # fmt: skip
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="with --serve: Poisson arrivals a "
                         "second (default inf: all at once)")  # fmt: skip
     parser.add_argument("--json", help="write the results as JSON here")

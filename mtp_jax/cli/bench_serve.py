@@ -47,11 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, drafting: list[str], slots: int, max_len: int) -> tuple[subprocess.Popen, str]:
+def start_server(args, options: list[str], slots: int, max_len: int) -> tuple[subprocess.Popen, str]:
     """`python -m mtp_jax.serve` on a free port, once its /health answers: (process, base URL)."""
     port = free_port()
     command = [sys.executable, "-m", "mtp_jax.serve", "--port", str(port), "--slots", str(slots),
-               "--max-len", str(max_len), *drafting]  # fmt: skip
+               "--max-len", str(max_len), *options]  # fmt: skip
     if args.model:
         command += ["--model", args.model]
     if args.dtype:
@@ -146,7 +146,8 @@ def offline_rate(model: CausalLM, tokenizer, prompts, cfg: DecodeConfig, slots: 
 
 
 def run_serve(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: list[str]) -> dict:
-    """The load test for every --batch-sizes (the server's slots), without MTP and with --num-draft's largest k."""
+    """The load test for every --batch-sizes (the server's slots), without MTP and with --num-draft's largest k, each
+    with prompts prefilled in chunks of --prefill-chunk tokens, and the last also with whole prompts."""
     if tokenizer is None:
         raise UserError("--serve sends the held-out text prompts: it needs a model with a tokenizer")
     if args.mesh or args.random_shape:
@@ -157,28 +158,32 @@ def run_serve(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: l
     drafts = sorted({0, max(args.num_draft)}) if model.config.has_mtp else [0]
     notes.append(f"the server and its clients share this machine's {os.cpu_count()} cores")
     rows = []
+    runs = [(k, args.prefill_chunk) for k in drafts] + [(drafts[-1], 0)]  # 0: whole prompts
     for slots in args.batch_sizes:
-        for k in drafts:
-            drafting = ["--no-mtp"] if k == 0 else ["--num-draft", str(k)]
-            server, base_url = start_server(args, drafting, slots, max_len)
+        offline = {}  # k -> the engine's offline rate
+        for k, chunk in runs:
+            options = ["--no-mtp"] if k == 0 else ["--num-draft", str(k)]
+            server, base_url = start_server(args, [*options, "--prefill-chunk", str(chunk)], slots, max_len)
             try:
                 served = load(base_url, texts, args.clients, args.request_rate, args.max_new_tokens)
             finally:
                 stop_server(server)
             cfg = DecodeConfig(num_draft=k, max_new_tokens=args.max_new_tokens)
-            offline = offline_rate(model, tokenizer, prompts, cfg, slots)
+            if k not in offline:
+                offline[k] = offline_rate(model, tokenizer, prompts, cfg, slots)
             row = {
                 "slots": slots,
                 "k": k,
+                "prefill_chunk": chunk,
                 "clients": args.clients,
                 "request_rate": args.request_rate,
                 **served,
-                "offline_output_throughput": offline,
-                "served_over_offline": served["output_throughput"] / offline,
+                "offline_output_throughput": offline[k],
+                "served_over_offline": served["output_throughput"] / offline[k],
             }
             rows.append(row)
             print(f"serve: {slots} slots, k={k}: {served['output_throughput']:.1f} output tokens/s "
-                  f"({offline:.1f} offline)", file=sys.stderr, flush=True)  # fmt: skip
+                  f"({offline[k]:.1f} offline)", file=sys.stderr, flush=True)  # fmt: skip
     meta = metadata(args, label, dtype, notes)
     meta["prompts"] = f"{len(prompts)} held-out prompts (eval_prompts.jsonl, cycled), chat completions, streamed"
     return {"meta": meta, "rows": rows}
@@ -196,13 +201,14 @@ def serve_markdown(result: dict) -> str:
         "new tokens each, greedy",
         *(f"- note: {note}" for note in meta["notes"]),
         "",
-        "| slots | k | clients | req/s | output tok/s | offline tok/s | served/offline | TTFT p50 ms | TTFT p99 ms "
-        "| ITL p50 ms | ITL p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| slots | k | prefill chunk | clients | req/s | output tok/s | offline tok/s | served/offline | TTFT p50 ms "
+        "| TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['slots']} | {r['k']} | {r['clients']} | {r['request_throughput']:.2f} "
+            f"| {r['slots']} | {r['k']} | {r['prefill_chunk'] or 'whole prompts'} | {r['clients']} "
+            f"| {r['request_throughput']:.2f} "
             f"| {r['output_throughput']:.1f} | {r['offline_output_throughput']:.1f} | {r['served_over_offline']:.2f} "
             f"| {number(r['median_ttft_ms'])} | {number(r['p99_ttft_ms'])} | {number(r['median_itl_ms'])} "
             f"| {number(r['p99_itl_ms'])} |"

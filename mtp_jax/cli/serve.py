@@ -24,7 +24,7 @@ import uvicorn
 from mtp_jax.cli.arguments import add_storage_arguments, add_tree_arguments, float_list, non_negative_int, positive_int
 from mtp_jax.cli.decode import choose_num_draft, default_decode_config, note_without_kernel
 from mtp_jax.config.decode import DecodeConfig
-from mtp_jax.decode.engine import Engine
+from mtp_jax.decode.engine import PREFILL_CHUNK, Engine
 from mtp_jax.decode.prompts import encode_prompts
 from mtp_jax.decode.text import batch_rows, first_batch
 from mtp_jax.decode.tree import check_tree_model
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine)")
     parser.add_argument("--port", type=non_negative_int, default=8000, help="port (0: a free one; default 8000)")
     parser.add_argument("--slots", type=positive_int, default=8, help="requests decoded at once (default 8)")
+    parser.add_argument("--prefill-chunk", type=non_negative_int, default=PREFILL_CHUNK, metavar="TOKENS",
+                        help="prompts longer than this are prefilled this many tokens at a time, between rounds of "
+                        f"the running requests (0: each prompt at once; default {PREFILL_CHUNK})")  # fmt: skip
     parser.add_argument("--max-len", type=positive_int, help="positions a slot holds, prompt and answer together "
                         f"(default: the model's context, at most {DEFAULT_MAX_LEN})")  # fmt: skip
     parser.add_argument("--num-draft", type=non_negative_int, help="drafts per round (default: the drafting that "
@@ -147,7 +150,7 @@ def start(args) -> Served:
                              context=context)  # fmt: skip
     cfg = engine_config(args, model, samples)
     try:
-        engine = Engine(model, cfg, slots=args.slots, max_len=max_len)
+        engine = Engine(model, cfg, slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk or None)
     except ValueError as e:
         raise UserError(str(e)) from None
     baseline = warm_up(engine, samples[0].token_ids[: max_len - 1], max_tokens=1)

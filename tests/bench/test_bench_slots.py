@@ -31,12 +31,14 @@ def test_refill_rows_compare_slots_with_static_batches(tmp_path, capsys):
 def test_serve_load_test_drives_the_server(tmp_path, capsys):
     out = tmp_path / "s.json"
     code = bench_main(["--serve", "--prompts", "4", "--clients", "2", "--batch-sizes", "2", "--num-draft", "0",
-                       "--max-new-tokens", "12", "--no-peer", "--json", str(out)])  # fmt: skip
+                       "--max-new-tokens", "12", "--prefill-chunk", "16", "--no-peer", "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    (row,) = json.loads(out.read_text())["rows"]
-    assert (row["slots"], row["k"], row["completed"]) == (2, 0, 4)
-    assert 4 <= row["output_tokens"] <= 48 and row["output_throughput"] > 0 and row["offline_output_throughput"] > 0
-    assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"] and 0 <= row["median_itl_ms"] <= row["p99_itl_ms"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["slots"], r["k"], r["prefill_chunk"], r["completed"]) for r in rows] == [(2, 0, 16, 4), (2, 0, 0, 4)]
+    for row in rows:
+        assert 4 <= row["output_tokens"] <= 48 and row["output_throughput"] > 0
+        assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"] and 0 <= row["median_itl_ms"] <= row["p99_itl_ms"]
+    assert rows[0]["offline_output_throughput"] == rows[1]["offline_output_throughput"] > 0  # measured once
 
 
 def test_serving_metrics_of_known_timings():
