@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=non_negative_int, default=0)
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
-    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="rows decoded at once (default 8); more "
+                        "prompts than rows take a row as another's answer ends (slots that refill)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
     parser.add_argument("--mesh", help="shard over D*M*E devices (the first ones; every device of every process in "

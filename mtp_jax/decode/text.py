@@ -233,7 +233,7 @@ def decode_in_slots(model: CausalLM, tokenizer, prompts: list[Prompt], cfg: Deco
     compile_seconds = compile_cache.compile_seconds() - compile_before
     hits, misses = (now - before for now, before in zip(compile_cache.lookups(), lookups_before, strict=True))
     summary = engine.summary(generated, wall - compile_seconds, compile_seconds)
-    return {**summary, "compile_from_cache": hits > 0 and misses == 0, "slots": engine.slots}
+    return {**summary, "compile_from_cache": hits > 0 and misses == 0}
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")

@@ -1,4 +1,4 @@
-"""`python -m mtp_jax.decode` under kills and bad input: finished batches survive a kill and --resume continues from
+"""`python -m mtp_jax.decode` under kills and bad input: finished rows survive a kill and --resume continues from
 them; unwritable outputs, non-UTF-8 prompts and budgets past the context or memory are one line before any work."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def decode(capsys, *args) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def reference(model_folder, tmp_path_factory):
-    """The output of one uninterrupted run over PROMPTS (three batches of two rows)."""
+    """The output of one uninterrupted run over PROMPTS (five prompts through two slots)."""
     root = tmp_path_factory.mktemp("reference")
     assert decode_main(argv(model_folder, write_prompts(root / "p.jsonl"), root / "out.jsonl")) == 0
     lines = (root / "out.jsonl").read_text().splitlines(keepends=True)
@@ -63,18 +63,18 @@ def partials(folder) -> list[str]:
 CHILD = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even if the runner ignores it
-from mtp_jax.decode import stats
+from mtp_jax.cli import decode_output
 from mtp_jax.cli.decode import main
 
-real_add, batches = stats.add, []
+real_write, written = decode_output.RowOutput.write, []
 
-def add(*args):  # called once per decoded batch, before that batch's rows are written
-    batches.append(1)
-    if len(batches) == 3:
+def write(self, rows):  # rows reach the output in input order, as the rows before them are done
+    real_write(self, rows)
+    written.extend(rows)
+    if len(written) == 4:  # killed while the last row decodes
         os.kill(os.getpid(), signal.{signal})
-    return real_add(*args)
 
-stats.add = add
+decode_output.RowOutput.write = write
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -85,14 +85,14 @@ def run_child(signal: str, args: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_a_killed_run_keeps_its_finished_batches_and_resume_completes_it(model_folder, reference, tmp_path, capsys):
+def test_a_killed_run_keeps_its_finished_rows_and_resume_completes_it(model_folder, reference, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     args = argv(model_folder, write_prompts(tmp_path / "p.jsonl"), out)
-    child = run_child("SIGKILL", args)  # killed while decoding the third batch
+    child = run_child("SIGKILL", args)  # killed while decoding the fifth row
     assert child.returncode == -9, child.stderr
     assert not out.exists() and len(partials(tmp_path)) == 1
     partial = tmp_path / partials(tmp_path)[0]
-    assert partial.read_text().splitlines(keepends=True) == reference[:4]  # two batches, whole rows
+    assert partial.read_text().splitlines(keepends=True) == reference[:4]  # four whole rows
     code, err = decode(capsys, *args)
     assert code == 1 and "--resume" in err and len(err.strip().splitlines()) == 1, err  # a fresh run would lose them
     code, err = decode(capsys, *args, "--resume")
