@@ -39,6 +39,17 @@ def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
     }
 
 
+def header_lines(meta: dict) -> list[str]:
+    """The first lines of a bench table's markdown: command, date, device and host, versions."""
+    versions = ", ".join(f"{name} {v}" for name, v in meta["versions"].items())
+    return [
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}",
+        f"- device: {meta['device']}; host: {meta['host']}; CPU row kernel: {meta.get('cpu_kernel', '-')}",
+        f"- versions: {versions}",
+    ]
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

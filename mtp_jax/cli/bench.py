@@ -18,7 +18,7 @@ import sys
 import numpy as np
 from flax import nnx
 
-from mtp_jax.bench.environment import metadata
+from mtp_jax.bench.environment import header_lines, metadata
 from mtp_jax.bench.peers import LlamaCppRun, PeerRun, llama_cpp_available, load_llama_cpp, load_peer
 from mtp_jax.bench.timing import measured_bandwidth, ratio, time_batch
 from mtp_jax.cli.arguments import add_storage_arguments, positive_int
@@ -276,12 +276,8 @@ def progress_line(row: dict) -> str:
 
 def markdown(result: dict) -> str:
     meta = result["meta"]
-    versions = ", ".join(f"{name} {v}" for name, v in meta["versions"].items())
     lines = [
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']}; host: {meta['host']}; CPU row kernel: {meta.get('cpu_kernel', '-')}",
-        f"- versions: {versions}",
+        *header_lines(meta),
         f"- model: {meta['model']} ({meta['dtype']}); prompts: {meta['prompts']}; {meta['max_new_tokens']} new tokens "
         f"per row; temperature {meta['temperature']}; fastest of {meta['repeats']} interleaved runs",
         *(f"- note: {note}" for note in meta["notes"]),

@@ -22,7 +22,7 @@ import urllib.request
 
 import numpy as np
 
-from mtp_jax.bench.environment import metadata
+from mtp_jax.bench.environment import header_lines, metadata
 from mtp_jax.cli.bench_slots import held_out_prompts
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.text import decode_batches, row_sampling
@@ -193,10 +193,7 @@ def serve_markdown(result: dict) -> str:
     meta = result["meta"]
     number = lambda value: "-" if value is None else f"{value:.0f}"
     lines = [
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']}; host: {meta['host']}; CPU row kernel: {meta.get('cpu_kernel', '-')}",
-        f"- versions: {', '.join(f'{n} {v}' for n, v in meta['versions'].items())}",
+        *header_lines(meta),
         f"- model: {meta['model']} ({meta['dtype']}); prompts: {meta['prompts']}; at most {meta['max_new_tokens']} "
         "new tokens each, greedy",
         *(f"- note: {note}" for note in meta["notes"]),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mtp_jax.bench.environment import metadata
+from mtp_jax.bench.environment import header_lines, metadata
 from mtp_jax.cli.invariance import EVAL_PROMPTS
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.prompts import Prompt, encode_prompts
@@ -81,12 +81,8 @@ def run_refill(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: 
 
 def refill_markdown(result: dict) -> str:
     meta = result["meta"]
-    versions = ", ".join(f"{name} {v}" for name, v in meta["versions"].items())
     lines = [
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']}; host: {meta['host']}; CPU row kernel: {meta.get('cpu_kernel', '-')}",
-        f"- versions: {versions}",
+        *header_lines(meta),
         f"- model: {meta['model']} ({meta['dtype']}); prompts: {meta['prompts']}; at most {meta['max_new_tokens']} "
         "new tokens per answer, ending at EOS; greedy",
         *(f"- note: {note}" for note in meta["notes"]),

@@ -104,17 +104,22 @@ def choose_num_draft(args, has_mtp: bool) -> int:
     return default_drafting.DEFAULT_DRAFTS[platform]  # the most a round drafts: `default_decode_config` chooses
 
 
-def run(args) -> int:
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+def check_model_and_drafting(args) -> None:
+    """--model names a model; --round-costs and --tree go with the drafting they need (decode's and serve's)."""
     if args.model is not None and not names_a_model(args.model):
         raise UserError(f"{args.model}: no such model file or folder")
     if args.round_costs is not None and not args.adaptive:
         raise UserError("--round-costs goes with --adaptive")
     if args.tree and args.no_mtp:
         raise UserError("--tree drafts with the MTP head: not with --no-mtp")
+
+
+def run(args) -> int:
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    check_model_and_drafting(args)
     if args.resume and not args.out:
         raise UserError("--resume goes with --out")
     for option, path in (("--out", args.out), ("--stats-json", args.stats_json)):

@@ -22,7 +22,7 @@ import sys
 import uvicorn
 
 from mtp_jax.cli.arguments import add_storage_arguments, add_tree_arguments, float_list, non_negative_int, positive_int
-from mtp_jax.cli.decode import choose_num_draft, default_decode_config, note_without_kernel
+from mtp_jax.cli.decode import check_model_and_drafting, choose_num_draft, default_decode_config, note_without_kernel
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.engine import PREFILL_CHUNK, Engine
 from mtp_jax.decode.prompts import encode_prompts
@@ -31,7 +31,7 @@ from mtp_jax.decode.tree import check_tree_model
 from mtp_jax.kernels.cpu import cpu_rows
 from mtp_jax.loading import checkpoint
 from mtp_jax.loading.default_model import GGUF_ENV, GGUF_NAME
-from mtp_jax.loading.hub import MODEL_HELP, names_a_model
+from mtp_jax.loading.hub import MODEL_HELP
 from mtp_jax.models import causal_lm
 from mtp_jax.parallel.sharding import make_mesh
 from mtp_jax.quant.int8_activations import has_int8_activations
@@ -115,12 +115,7 @@ def stop_starting(sig, frame):
 
 
 def check_arguments(args) -> None:
-    if args.model is not None and not names_a_model(args.model):
-        raise UserError(f"{args.model}: no such model file or folder")
-    if args.round_costs is not None and not args.adaptive:
-        raise UserError("--round-costs goes with --adaptive")
-    if args.tree and args.no_mtp:
-        raise UserError("--tree drafts with the MTP head: not with --no-mtp")
+    check_model_and_drafting(args)
     if args.port > 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
