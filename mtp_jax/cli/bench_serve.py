@@ -4,8 +4,11 @@ For each drafting setting the server is started as a child process on a free por
 streaming chat completions of the held-out prompts (greedy, at most --max-new-tokens each), arriving as a Poisson
 process of `--request-rate` requests a second (all at once by default), at most `--clients` in flight. Reported with
 the names of vLLM's serving benchmark: requests/s, output tokens/s, time to first token (TTFT) and inter-token
-latency (ITL: the gaps between a stream's chunks) at p50 / p99. Beside each, the same prompts through the same
-engine in this process, without HTTP (`decode_batches` with slots): the rate the server is measured against.
+latency (ITL: the gaps between a stream's chunks) at p50 / p99, and the share of this machine's cores the clients
+took (they run here, beside the server). Beside each, the same prompts through the same
+engine in this process, without HTTP (an `Engine` of the server's slots, positions and prefill chunk, every prompt
+submitted at once): the rate the server is measured against. Both compile every program before they are timed
+(`Engine.warm`; the server's `--warm greedy`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ import numpy as np
 from mtp_jax.bench.environment import header_lines, metadata
 from mtp_jax.cli.bench_slots import held_out_prompts
 from mtp_jax.config.decode import DecodeConfig
-from mtp_jax.decode.text import decode_batches, row_sampling
+from mtp_jax.decode.engine import Engine, Request
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.runtime.errors import UserError
 
-READY_SECONDS = 900  # a server's load, conversion and compile (the first run converts the default model)
+READY_SECONDS = 1800  # a server's load, conversion and warm compile of every insert (the first converts the model)
 
 
 @dataclasses.dataclass
@@ -110,14 +113,15 @@ def load(base_url: str, texts: list[str], clients: int, rate: float, max_tokens:
 
     model = client().models.list().data[0].id
     gaps = np.random.default_rng(0).exponential(1 / rate, len(texts)) if np.isfinite(rate) else np.zeros(len(texts))
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         futures = []
         for text, arrival in zip(texts, np.cumsum(gaps), strict=True):
             time.sleep(max(0.0, start + arrival - time.perf_counter()))
             futures.append(pool.submit(lambda text=text: send(client(), model, text, max_tokens)))
         timings = [f.result() for f in futures]
-    return summarize(timings, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return {**summarize(timings, wall), "client_cpu_share": (time.process_time() - cpu_start) / wall / os.cpu_count()}
 
 
 def summarize(timings: list[StreamTiming], wall: float) -> dict:
@@ -139,15 +143,22 @@ def summarize(timings: list[StreamTiming], wall: float) -> dict:
     }
 
 
-def offline_rate(model: CausalLM, tokenizer, prompts, cfg: DecodeConfig, slots: int) -> float:
-    """Output tokens a second of the same prompts through the engine in this process (its compile timed apart)."""
-    summary = decode_batches(model, tokenizer, prompts, cfg, slots, row_sampling(cfg, 0), lambda results: None)
-    return summary["tokens_per_second"]
+def offline_rate(model: CausalLM, prompts, cfg: DecodeConfig, slots: int, max_len: int, prefill_chunk: int) -> float:
+    """Output tokens a second of the same prompts through an engine of the server's settings in this process, all
+    submitted at once, its programs compiled before the clock starts (`warm`, as the server's)."""
+    engine = Engine(model, cfg, slots=slots, max_len=max_len, prefill_chunk=prefill_chunk or None)
+    engine.warm()
+    for prompt in prompts:
+        engine.submit(Request(prompt.token_ids, cfg.max_new_tokens))
+    generated, start = 0, time.perf_counter()
+    while engine.busy:
+        generated += sum(len(update.tokens) for update in engine.step())
+    return generated / (time.perf_counter() - start)
 
 
 def run_serve(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: list[str]) -> dict:
     """The load test for every --batch-sizes (the server's slots), without MTP and with --num-draft's largest k, each
-    with prompts prefilled in chunks of --prefill-chunk tokens, and the last also with whole prompts."""
+    with prompts prefilled in chunks of --prefill-chunk tokens and with whole prompts."""
     if tokenizer is None:
         raise UserError("--serve sends the held-out text prompts: it needs a model with a tokenizer")
     if args.mesh or args.random_shape:
@@ -158,19 +169,18 @@ def run_serve(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: l
     drafts = sorted({0, max(args.num_draft)}) if model.config.has_mtp else [0]
     notes.append(f"the server and its clients share this machine's {os.cpu_count()} cores")
     rows = []
-    runs = [(k, args.prefill_chunk) for k in drafts] + [(drafts[-1], 0)]  # 0: whole prompts
+    runs = [(k, chunk) for k in drafts for chunk in dict.fromkeys((args.prefill_chunk, 0))]  # 0: whole prompts
     for slots in args.batch_sizes:
-        offline = {}  # k -> the engine's offline rate
         for k, chunk in runs:
             options = ["--no-mtp"] if k == 0 else ["--num-draft", str(k)]
-            server, base_url = start_server(args, [*options, "--prefill-chunk", str(chunk)], slots, max_len)
+            options += ["--prefill-chunk", str(chunk), "--warm", "greedy"]  # compiles apart, as the offline rate's
+            server, base_url = start_server(args, options, slots, max_len)
             try:
                 served = load(base_url, texts, args.clients, args.request_rate, args.max_new_tokens)
             finally:
                 stop_server(server)
             cfg = DecodeConfig(num_draft=k, max_new_tokens=args.max_new_tokens)
-            if k not in offline:
-                offline[k] = offline_rate(model, tokenizer, prompts, cfg, slots)
+            offline = offline_rate(model, prompts, cfg, slots, max_len, chunk)
             row = {
                 "slots": slots,
                 "k": k,
@@ -178,12 +188,12 @@ def run_serve(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: l
                 "clients": args.clients,
                 "request_rate": args.request_rate,
                 **served,
-                "offline_output_throughput": offline[k],
-                "served_over_offline": served["output_throughput"] / offline[k],
+                "offline_output_throughput": offline,
+                "served_over_offline": served["output_throughput"] / offline,
             }
             rows.append(row)
             print(f"serve: {slots} slots, k={k}: {served['output_throughput']:.1f} output tokens/s "
-                  f"({offline[k]:.1f} offline)", file=sys.stderr, flush=True)  # fmt: skip
+                  f"({offline:.1f} offline)", file=sys.stderr, flush=True)  # fmt: skip
     meta = metadata(args, label, dtype, notes)
     meta["prompts"] = f"{len(prompts)} held-out prompts (eval_prompts.jsonl, cycled), chat completions, streamed"
     return {"meta": meta, "rows": rows}
@@ -199,8 +209,8 @@ def serve_markdown(result: dict) -> str:
         *(f"- note: {note}" for note in meta["notes"]),
         "",
         "| slots | k | prefill chunk | clients | req/s | output tok/s | offline tok/s | served/offline | TTFT p50 ms "
-        "| TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p99 ms | ITL p50 ms | ITL p99 ms | clients' CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
@@ -208,6 +218,6 @@ def serve_markdown(result: dict) -> str:
             f"| {r['request_throughput']:.2f} "
             f"| {r['output_throughput']:.1f} | {r['offline_output_throughput']:.1f} | {r['served_over_offline']:.2f} "
             f"| {number(r['median_ttft_ms'])} | {number(r['p99_ttft_ms'])} | {number(r['median_itl_ms'])} "
-            f"| {number(r['p99_itl_ms'])} |"
+            f"| {number(r['p99_itl_ms'])} | {r['client_cpu_share']:.0%} |"
         )
     return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 
 import uvicorn
 
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--round-costs", type=float_list, metavar="C0,...,CK", help="with --adaptive: time of a "
                         "round with 0..K drafts over a plain step")  # fmt: skip
     add_tree_arguments(parser)
+    parser.add_argument("--warm", choices=("none", "greedy", "all"), default="none",
+                        help="compile at start every program requests can run (each prompt-width bucket, for greedy "
+                        "requests or for all), instead of at a bucket's first request; minutes on a CPU, less once "
+                        "the compilation cache holds them (default: none)")  # fmt: skip
     parser.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=DecodeConfig.invariant,
                         help="batch-invariant numerics: a request's tokens whatever shares the slots")  # fmt: skip
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
@@ -148,6 +153,11 @@ def start(args) -> Served:
         engine = Engine(model, cfg, slots=args.slots, max_len=max_len, prefill_chunk=args.prefill_chunk or None)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.warm != "none":
+        began = time.perf_counter()
+        programs = engine.warm(sampled=args.warm == "all")
+        print(f"mtp_jax.serve: {programs} programs warm in {time.perf_counter() - began:.0f} s", file=sys.stderr,
+              flush=True)  # fmt: skip
     baseline = warm_up(engine, samples[0].token_ids[: max_len - 1], max_tokens=1)
     name = args.served_model_name or args.model or default_model_name()
     metrics = Metrics(name)

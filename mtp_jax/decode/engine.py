@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.decode import memory
 from mtp_jax.decode import stats as decode_stats
 from mtp_jax.decode.prefill import PromptPart
 from mtp_jax.decode.prompts import bucket
@@ -119,7 +121,12 @@ class Engine:
             cache_slots(0, self.cfg, long_cache_shards(model.config, model.sharding_rules)),
             decode_attention(0, self.cfg),
         )
-        self._state = empty_slots(self._graphdef, self._params, cfg=self.cfg, layout=self._layout)
+        build = functools.partial(empty_slots, self._graphdef, cfg=self.cfg, layout=self._layout)
+        state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(build, self._params)))
+        short = memory.shortfall(model, state_bytes, "the slots' caches and state")
+        if short is not None:
+            raise ValueError(f"{self.slots} slots of {max_len} positions: {short}")
+        self._state = build(self._params)
         self._sampling = SamplingParams.from_config(self.cfg, self.slots)
         self._running: list[_Running | None] = [None] * self.slots
         self._released = np.zeros((self.slots,), bool)
@@ -264,6 +271,11 @@ class Engine:
         if part is not None:  # the padding rows decode the same prompt, dropped as well
             ids[1:], lens[1:] = ids[0], lens[0]
         requests = [r for _, r in joining] + [joining[0][1]] * (rows - len(joining))
+        self._run_insert(ids, lens, requests, where, part)
+
+    def _run_insert(self, ids: np.ndarray, lens: np.ndarray, requests: list[Request], where: np.ndarray,
+                    part: PromptPart | None) -> None:  # fmt: skip
+        """Prefill `ids` [n, P] (lens [n]; `requests` [n]: their settings) into slots `where` [n]."""
         keys = jnp.stack([r.key if r.key is not None else jax.random.key(r.seed) for r in requests])
         sampling = SamplingParams(
             temperature=jnp.asarray([r.temperature for r in requests], jnp.float32),
@@ -304,6 +316,49 @@ class Engine:
         self._reserved.discard(staged.slot)
         self._staged = None
 
+    # ---- compiling ahead ----
+
+    def warm(self, max_prompt: int | None = None, sampled: bool = False) -> int:
+        """Compile now the programs requests will run, so that none compiles inside a request's latency: the insert
+        of every bucket (rows joining at once x prompt width, for prompts up to `max_prompt` tokens; default: the
+        prefill chunk, or the slot's positions when prompts are not chunked), long prompts' chunks and last chunk,
+        and the rounds; for greedy requests, and with `sampled` for sampled ones too. Each insert runs once on rows
+        that are dropped (every row of it lands past the last slot), so the slots, running or not, are unchanged.
+        Returns how many programs ran."""
+        short = self.max_len - 1 if self.prefill_chunk is None else min(self.prefill_chunk, self.max_len - 1)
+        longest = short if max_prompt is None else max(1, min(max_prompt, short))
+        widths = sorted({min(bucket(n), self.max_len) for n in _bucket_edges(longest)})
+        row_counts = sorted({self._insert_rows(n) for n in range(1, self.slots + 1)})
+        modes = (True, False) if sampled else (True,)
+        seconds = dict(self.seconds)
+        for greedy in modes:
+            for rows, width in ((r, w) for r in row_counts for w in widths):
+                self._insert_dropped(rows, width, greedy)
+            self._state, _ = run_rounds(self._graphdef, self._params, self._state, self._sampling, jnp.int32(0),
+                                        cfg=self.cfg, greedy=greedy)  # fmt: skip
+        programs = len(modes) * (len(row_counts) * len(widths) + 1)
+        if short < self.max_len - 1 and (max_prompt is None or max_prompt > short):  # long prompts, in chunks
+            chunk, unit = self.prefill_chunk, self._insert_unit
+            part = empty_part(self._graphdef, self._params, cfg=self.cfg, layout=self._layout, rows=unit)
+            part = extend_part(self._graphdef, self._params, part, jnp.asarray(np.zeros((unit, chunk), np.int32)),
+                               jnp.asarray(np.zeros((unit,), np.int32)), cfg=self.cfg)  # fmt: skip
+            last = sorted({min(bucket(n), self.max_len - offset)  # a last chunk's widths, after each offset
+                           for offset in range(chunk, self.max_len - 1, chunk)
+                           for n in _bucket_edges(min(chunk, self.max_len - 1 - offset))})  # fmt: skip
+            for greedy in modes:
+                for width in last:
+                    self._insert_dropped(self._insert_unit, width, greedy, part)
+            programs += 2 + len(modes) * len(last)
+        jax.block_until_ready(self._state)
+        self.seconds = seconds
+        return programs
+
+    def _insert_dropped(self, rows: int, width: int, greedy: bool, part: PromptPart | None = None) -> None:
+        """An insert of `rows` one-token prompts padded to `width`, every row dropped."""
+        request = Request((0,), 1, temperature=0.0 if greedy else 1.0)
+        where = np.full((rows,), self.slots, np.int32)
+        self._run_insert(np.zeros((rows, width), np.int32), np.ones((rows,), np.int32), [request] * rows, where, part)
+
     def _insert_rows(self, joining: int) -> int:
         """Rows of an insert of `joining` requests: the next power of two, a multiple of the insert unit (the
         mesh's data shards; two under batch-invariant decoding), at most the slots (rounded likewise)."""
@@ -328,3 +383,12 @@ class Engine:
         return decode_stats.summarize(self.stats(), num_draft=self.cfg.num_draft,
                                       tree=self.cfg.tree, generated_tokens=generated_tokens, wall=wall,
                                       compile_seconds=compile_seconds)  # fmt: skip
+
+
+def _bucket_edges(longest: int) -> list[int]:
+    """Prompt lengths up to `longest` that reach every width `bucket` gives them: the widths below it, and it."""
+    lengths, width = [], bucket(1)
+    while width < longest:
+        lengths.append(width)
+        width = bucket(width + 1)
+    return [*lengths, longest]

@@ -11,7 +11,6 @@ prompt at once, rather than idling until the longest answer of its batch ends. E
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,11 +18,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 from mtp_jax.config.decode import DecodeConfig
-from mtp_jax.decode import default_drafting, speculative, stats
+from mtp_jax.decode import default_drafting, memory, speculative, stats
 from mtp_jax.decode.engine import Engine, Request
 from mtp_jax.decode.prompts import Prompt, bucket, encode_prompts, pad_batch
 from mtp_jax.decode.sampling import SamplingParams
@@ -301,30 +299,6 @@ def check_budget(model: CausalLM, prompts: list[Prompt], cfg: DecodeConfig, batc
         lambda: (model.new_cache(batch_size, slots), model.new_mtp_cache(batch_size, slots) if cfg.num_draft else ())
     )
     cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
-    devices = 1 if model.sharding_rules is None else model.sharding_rules.mesh.size
-    need = cache_bytes + param_bytes
-    capacity, where = memory_capacity(model)
-    if capacity is not None and need / devices > capacity:
-        gib = lambda n: f"{n / 2**30:.1f} GiB"
-        spread = f" ({gib(need / devices)} on each of {devices} devices)" if devices > 1 else ""
-        raise UserError(
-            f"--max-new-tokens {cfg.max_new_tokens} with --batch-size {batch_size}: the caches ({gib(cache_bytes)}) "
-            f"and the parameters ({gib(param_bytes)}) need {gib(need)}{spread}, more than the {gib(capacity)} of "
-            f"{where}"
-        )
-
-
-def memory_capacity(model: CausalLM) -> tuple[int | None, str]:
-    """The bytes one device of the model may hold, and what they are: the machine's RAM, shared by this process's CPU
-    devices, or one accelerator's memory limit (None where the platform does not say)."""
-    device = jax.local_devices()[0]
-    if device.platform != "cpu":
-        return (device.memory_stats() or {}).get("bytes_limit"), f"one {device.device_kind}"
-    mesh = None if model.sharding_rules is None else model.sharding_rules.mesh
-    local = 1 if mesh is None else sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None, "this machine"
-    return ram // local, "this machine's RAM" + (f" shared by {local} devices" if local > 1 else "")
+    short = memory.shortfall(model, cache_bytes)
+    if short is not None:
+        raise UserError(f"--max-new-tokens {cfg.max_new_tokens} with --batch-size {batch_size}: {short}")

@@ -30,15 +30,15 @@ def test_refill_rows_compare_slots_with_static_batches(tmp_path, capsys):
 @pytest.mark.slow
 def test_serve_load_test_drives_the_server(tmp_path, capsys):
     out = tmp_path / "s.json"
-    code = bench_main(["--serve", "--prompts", "4", "--clients", "2", "--batch-sizes", "2", "--num-draft", "0",
+    code = bench_main(["--serve", "--prompts", "4", "--clients", "2", "--batch-sizes", "1", "--num-draft", "0",
                        "--max-new-tokens", "12", "--prefill-chunk", "16", "--no-peer", "--json", str(out)])  # fmt: skip
     assert code == 0, capsys.readouterr().err
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["slots"], r["k"], r["prefill_chunk"], r["completed"]) for r in rows] == [(2, 0, 16, 4), (2, 0, 0, 4)]
+    assert [(r["slots"], r["k"], r["prefill_chunk"], r["completed"]) for r in rows] == [(1, 0, 16, 4), (1, 0, 0, 4)]
     for row in rows:
         assert 4 <= row["output_tokens"] <= 48 and row["output_throughput"] > 0
         assert 0 < row["median_ttft_ms"] <= row["p99_ttft_ms"] and 0 <= row["median_itl_ms"] <= row["p99_itl_ms"]
-    assert rows[0]["offline_output_throughput"] == rows[1]["offline_output_throughput"] > 0  # measured once
+        assert row["offline_output_throughput"] > 0 and 0 <= row["client_cpu_share"] <= 1
 
 
 def test_serving_metrics_of_known_timings():

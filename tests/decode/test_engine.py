@@ -8,11 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mtp_jax
+from mtp_jax.decode import memory
 from mtp_jax.decode.engine import Engine, Request
 from mtp_jax.decode.prefill import PromptPart, prefill, prefill_part
 from mtp_jax.ops import dispatch
+from mtp_jax.runtime import compile_cache
 from tests.support.hybrid_models import predictable_hybrid_model
 from tests.support.prompts import padded_prompts
 from tests.support.tiny_models import predictable_model, predictable_moe_model
@@ -186,6 +189,35 @@ def test_a_cancelled_request_frees_its_slot():
     assert not engine.cancel(running)
 
 
+@pytest.mark.slow
+def test_a_warmed_engine_compiles_nothing_more_and_keeps_its_rows():
+    """`warm` mid-run (two rows running) leaves their tokens as they were, and afterwards no request compiles anything:
+    greedy then sampled ones, joining one to three at once, short prompts and long ones prefilled in chunks."""
+    model = MODELS["gqa"]()
+    cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=MAX_NEW, invariant=True)
+    engine = Engine(model, cfg, slots=SLOTS, max_len=12 + MAX_NEW, rounds_per_piece=3, prefill_chunk=8)
+    batch = requests()
+    ids = {engine.submit(batch[i]): i for i in (3, 0)}
+    tokens = {i: [] for i in range(len(batch))}
+    for update in engine.step():
+        tokens[ids[update.request_id]] += update.tokens
+    # greedy and sampled: inserts of 2 and 4 rows (invariant: pairs) at width 16, and rounds; the chunk programs; a
+    # last chunk at width 16, or 12 and 4 where it ends the slot's 36 positions after 24 or 32 tokens
+    assert engine.warm(sampled=True) == 2 * (2 * 1 + 1) + 2 + 2 * 3
+    before = compile_cache.compile_seconds()
+    ids.update({engine.submit(batch[i]): i for i in range(len(batch)) if i not in (3, 0)})
+    while engine.busy:
+        for update in engine.step():
+            tokens[ids[update.request_id]] += update.tokens
+    sampled = [engine.submit(Request(r.prompt_ids, 6, temperature=1.0, seed=i)) for i, r in enumerate(batch[:5])]
+    while engine.busy:
+        engine.step()
+    assert compile_cache.compile_seconds() == before
+    expected = reference(model, cfg)
+    assert {i: t for i, t in tokens.items()} == {i: t for i, (t, _) in expected.items()}
+    assert engine.chunks_prefilled >= 3 and len(sampled) == 5
+
+
 @pytest.mark.parametrize(
     "request_, message",
     [
@@ -208,3 +240,16 @@ def test_bad_requests_are_refused(request_, message):
 def test_bad_engine_settings_are_refused(slots, max_len, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODELS["gqa"](), mtp_jax.DecodeConfig(num_draft=1), slots=slots, max_len=max_len)
+
+
+def test_slots_that_cannot_fit_are_refused_before_anything_is_allocated(monkeypatch):
+    model = MODELS["gqa"]()
+    params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    monkeypatch.setattr(memory, "memory_capacity", lambda model: (params + 2**20, "a small device"))
+    Engine(model, mtp_jax.DecodeConfig(num_draft=1), slots=4, max_len=40)  # well under a MiB of caches
+    with pytest.raises(
+        ValueError,
+        match=r"^64 slots of 40 positions: the slots' caches and state \(.* GiB\) and the "
+        r"parameters \(.* GiB\) need .* GiB, more than the .* GiB of a small device$",
+    ):
+        Engine(model, mtp_jax.DecodeConfig(num_draft=1), slots=64, max_len=40)
