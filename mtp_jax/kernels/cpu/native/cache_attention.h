@@ -37,7 +37,21 @@ void attend_pair(const float* q, const float* keys, const float* values, const f
       float* o = out + (((b * d.T + t) * d.K + k) * d.G + g) * H;
       scores.resize(n);
       float largest = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {  // four keys' chains at once (one chain waits on the add's latency)
+        const float* key[4] = {entry(keys, block_k, j), entry(keys, block_k, j + 1), entry(keys, block_k, j + 2),
+                               entry(keys, block_k, j + 3)};
+        Vec acc[4] = {};
+        for (int64_t i = 0; i < vectors; ++i) {
+          const Vec qi = rows::load(query + i * kLanes);
+          for (int m = 0; m < 4; ++m) acc[m] = rows::fma(qi, rows::load(key[m] + i * kLanes), acc[m]);
+        }
+        for (int m = 0; m < 4; ++m) {
+          scores[j + m] = rows::tree_sum(acc[m]);
+          largest = std::max(largest, scores[j + m]);
+        }
+      }
+      for (; j < n; ++j) {
         const float* key = entry(keys, block_k, j);
         Vec acc = {};
         for (int64_t i = 0; i < vectors; ++i)

@@ -461,33 +461,82 @@ void packed_column_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int
   cols.store<R>(acc, out);
 }
 
+// x's value in every lane (a float's bits as they are: 0 + x would turn -0 into +0, and cost an add)
+inline Vec splat(float v) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_set1_ps(v);
+#elif defined(ROWS_AVX2)
+  return (Vec)_mm256_set1_ps(v);
+#else
+  return Vec{} + v;
+#endif
+}
+template <typename X>
+inline Vec splat(X v) { return Vec{} + to_float(v); }
+
 // packed_column_block where the multiply-adds and conversions (not the weight's bytes) set the pace: a block's sums
-// stay in registers, one pair at a time down the block's rows, instead of going through L1 at every row of the
+// stay in registers, P pairs at a time down the block's rows, instead of going through L1 at every row of the
 // weight. Each column's chain is the same (k in order from zero, then the block's scale and min), so the bits are
 // the same. With AVX512 and one or two rows the row-by-row stream is faster; with 8 lanes or fewer this is, from
-// one row (576 x 1536 at one row on an AVX2 EPYC: 106-121 against 152 us).
+// one row. With one or two rows, two pairs share a pass: 4 R chains of multiply-adds in flight (one pair's two
+// chains wait on the add's latency at every row), the sums held apart from the fold (a lambda's reference to them
+// kept them in memory). The lines a pass reads lie in rows N / 2 bytes apart, beyond the hardware prefetcher's
+// reach: each pass fetches the same rows kPackedLinesAhead lines to its right (the next block's past the last line).
+// 576 x 1536 at one row on an AVX2 EPYC, streamed from memory: 73-101 against 137-160 us a product.
 constexpr int kRegisterBlockRows = kLanes == 16 ? 3 : 1;
+constexpr int kPackedLinesAhead = 4;
 template <int R, typename X>
 void packed_register_block(const X* x, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int width,
                            const Blocks& q, const float* sums, float* out) {
+  constexpr int P = R <= 2 ? 2 : 1;  // pairs a pass
+  constexpr int kPairsPerLine = 64 / kLanes;
   const PackedColumns cols(w, N, n0, width);
   const int64_t Kb = K / q.KB;
+  const int lines = (cols.pairs + kPairsPerLine - 1) / kPairsPerLine;  // a block row's cache lines
   alignas(64) Vec acc[R][kPackedBlock<R> / kLanes] = {};
-  for (int64_t b = 0; b < q.KB; ++b)
-    for (int p = 0; p < cols.pairs; ++p) {
-      Vec even[R] = {}, odd[R] = {};
-      for (int64_t k = b * Kb; k < (b + 1) * Kb; ++k) {
-        if (k + kPrefetchRows < K) __builtin_prefetch(cols.first + (k + kPrefetchRows) * cols.row_bytes + p * kLanes);
-        Vec e, o;
-        cols.load(k, p, e, o);
-        for (int r = 0; r < R; ++r) {
-          const Vec xr = Vec{} + to_float(x[r * K + k]);
-          even[r] = fma(xr, e, even[r]);
-          odd[r] = fma(xr, o, odd[r]);
+  // the block's pairs [p, p + n) down its Kb rows, then folded into acc (n: a std::integral_constant)
+  auto pass = [&](int64_t b, int p, auto n) {
+    constexpr int C = decltype(n)::value;
+    const uint8_t* block = cols.first + b * Kb * cols.row_bytes;
+    const int target = p / kPairsPerLine + kPackedLinesAhead;  // the line fetched, counted from this block's first
+    const bool fetch = b + target / lines < q.KB;
+    // the passes over a line share its rows' fetches: this one takes rows [first_row, first_row + Kb / share)
+    constexpr int share = kPairsPerLine / C;
+    const int64_t first_row = p % kPairsPerLine / C * (Kb / share);
+    const uint8_t* ahead = block + (target / lines * Kb + first_row) * cols.row_bytes + target % lines * 64;
+    if (b + 1 < q.KB) {  // the next block's scales and mins of these columns
+      const int64_t next = ((b + 1) * N + n0 + p * 2 * kLanes) * (q.half ? 2 : 4);
+      __builtin_prefetch(static_cast<const char*>(q.scales) + next);
+      if (q.mins) __builtin_prefetch(static_cast<const char*>(q.mins) + next);
+    }
+    Vec even[R][C] = {}, odd[R][C] = {};
+    for (int64_t k = 0; k < Kb; ++k) {
+      if (fetch) __builtin_prefetch(ahead + k / share * cols.row_bytes);
+      Vec e[C], o[C];
+      if constexpr (C == 1)
+        cols.load(b * Kb + k, p, e[0], o[0]);
+      else  // whole pairs only
+        for (int i = 0; i < C; ++i) load_nibble_pairs(block + k * cols.row_bytes + (p + i) * kLanes, e[i], o[i]);
+      for (int r = 0; r < R; ++r) {
+        const Vec xr = splat(x[r * K + b * Kb + k]);
+        for (int i = 0; i < C; ++i) {
+          even[r][i] = fma(xr, e[i], even[r][i]);
+          odd[r][i] = fma(xr, o[i], odd[r][i]);
         }
       }
-      cols.fold<R>(q, b, p, [&](int r, int is_odd) { return is_odd ? odd[r] : even[r]; }, sums, acc);
     }
+    Vec done[R][2 * C];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < C; ++i) done[r][2 * i] = even[r][i], done[r][2 * i + 1] = odd[r][i];
+    for (int i = 0; i < C; ++i)
+      cols.fold<R>(q, b, p + i, [&](int r, int is_odd) { return done[r][2 * i + is_odd]; }, sums, acc);
+  };
+  const int whole = cols.tail == 2 * kLanes ? cols.pairs : cols.pairs - 1;  // pairs of 2 kLanes columns
+  for (int64_t b = 0; b < q.KB; ++b) {
+    int p = 0;
+    for (; p + P <= whole; p += P) pass(b, p, std::integral_constant<int, P>{});
+    for (; p < cols.pairs; ++p) pass(b, p, std::integral_constant<int, 1>{});
+  }
   cols.store<R>(acc, out);
 }
 
