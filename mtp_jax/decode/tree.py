@@ -37,11 +37,12 @@ from mtp_jax.decode.rounds import Drafts, Round, RoundContext, Verdict, catch_up
 from mtp_jax.decode.sampling import probabilities, sample
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import move_slots
+from mtp_jax.ops import dispatch
 
 
 def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
     """Refuse a draft tree where its passes cannot run: a recurrent trunk, more children than draft tokens,
-    batch-invariant decoding."""
+    batch-invariant decoding without an attention kernel that takes the tree's mask (the CPU's)."""
     if model.config.is_hybrid:
         raise ValueError(
             "draft trees need an attention-only trunk: a gated DeltaNet trunk's verify pass would carry a state per "
@@ -50,10 +51,11 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
     draft_vocab = model.config.mtp.draft_vocab_size or model.config.vocab_size
     if cfg.tree_width > draft_vocab:
         raise ValueError(f"a tree {cfg.tree_width} wide proposes more children than the {draft_vocab} draft tokens")
-    if cfg.invariant:
+    if cfg.invariant and not dispatch.invariant_trees_here():
         raise ValueError(
-            "draft trees do not run under batch-invariant decoding (DecodeConfig.invariant, implied by 4-bit weights "
-            "with int8 activations): decode with a chain"
+            "draft trees run under batch-invariant decoding (DecodeConfig.invariant, implied by 4-bit weights with "
+            "int8 activations) only on one CPU device with the row kernel built (its attention takes the tree's "
+            "mask): decode with a chain"
         )
 
 

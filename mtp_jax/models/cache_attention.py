@@ -177,21 +177,20 @@ def grouped_attention(
     entries `block_mask` lets it see (causally without one; one softmax over both, float32); chunk by chunk when the
     cache's form is "chunked", shard by shard over one split over its slots; "invariant": the batch-invariant form
     (`attend_written_cache`), which needs a cache of whole chunks on every shard and takes no block mask. On a CPU
-    with the row kernel, a decode step or verify block (at most `cpu_attention.DECODE_POSITIONS` positions a row)
-    outside batch-invariant decoding is one kernel call (kernels/cpu/cpu_attention.py, through ops/dispatch.py); so
-    is every pass under it. A draft tree's block (with a block mask) takes XLA's form."""
-    if attention == "invariant" and block_mask is not None:
-        raise ValueError("the batch-invariant form of attention takes no block mask (draft trees)")
+    with the row kernel, a decode step or verify block (at most `cpu_attention.DECODE_POSITIONS` positions a row,
+    a draft tree's with its mask) outside batch-invariant decoding is one kernel call (kernels/cpu/cpu_attention.py,
+    through ops/dispatch.py); so is every pass under it, a draft tree's too (elsewhere batch-invariant decoding takes
+    no tree)."""
     shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     xla_form = lambda: _grouped_attention(
         q, k, v, positions, past_k, past_v, visible_from, attention, shards, block_mask
     )
-    causal_pass = attention != "invariant" and block_mask is None
-    kernel = attention_implementation(q, past_k, shards, whole_pass=False) if causal_pass else None
+    decode_pass = attention != "invariant"
+    kernel = attention_implementation(q, past_k, shards, whole_pass=False) if decode_pass else None
     if kernel is not None:
         b, t, n, h = q.shape
         queries = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
-        fused = lambda: kernel.run(queries, k, v, positions, past_k, past_v, visible_from).astype(q.dtype)
+        fused = lambda: kernel.run(queries, k, v, positions, past_k, past_v, visible_from, block_mask).astype(q.dtype)
         return jax.lax.platform_dependent(cpu=lambda: fused().reshape(b, t, n, h), default=xla_form)
     return xla_form()
 
@@ -232,8 +231,13 @@ def _grouped_attention(
                                                    *q.shape[2:4], t), (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
             kernel = attention_implementation(q, past_k, shards, whole_pass=True)
             if kernel is not None:  # one kernel call (kernels/cpu/cpu_attention.py)
-                fused = lambda: kernel.run(q, k, v, positions, past_k, past_v, visible_from)
-                out = jax.lax.platform_dependent(cpu=fused, default=written)
+                fused = lambda: kernel.run(q, k, v, positions, past_k, past_v, visible_from, block_mask)
+                out = fused() if block_mask is not None else jax.lax.platform_dependent(cpu=fused, default=written)
+            elif block_mask is not None:
+                raise ValueError(
+                    "the batch-invariant form of attention takes no block mask (a draft tree) without the CPU "
+                    "decode attention kernel"
+                )
             else:
                 out = written()
         else:

@@ -71,6 +71,7 @@ class Implementation:
     name: str
     accepts: Callable[..., bool]
     run: Callable[..., jax.Array]
+    takes_block_mask: bool = False  # attention: it attends a draft tree's block by its mask, batch-invariantly
 
 
 _PRODUCTS: list[Implementation] = []
@@ -128,6 +129,13 @@ def tracing(invariant: bool) -> Iterator[Numerics]:
 def current() -> Numerics:
     """The Numerics of the trace under way (`tracing`), or one built now for default numerics."""
     return _CURRENT.get() or here()
+
+
+def invariant_trees_here() -> bool:
+    """Whether batch-invariant decoding traced now has an attention kernel that takes a draft tree's block mask
+    (the batch-invariant XLA form takes none)."""
+    numerics = here(invariant=True)
+    return any(i.takes_block_mask and numerics.has(i.name) for i in _ATTENTION)
 
 
 def product_implementation(equation: str, x: jax.Array, weight: Any) -> Implementation | None:

@@ -17,6 +17,7 @@ from mtp_jax.cli.decode import main as decode_main
 from mtp_jax.cli.decode_output import ROW_SETTINGS, RowOutput, terminal_text
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.kernels.cpu import cpu_rows
+from mtp_jax.ops import dispatch
 from mtp_jax.runtime.cache_folder import CACHE_ENV
 from tests.support.tiny_models import tiny_config
 
@@ -179,7 +180,6 @@ def test_model_without_head_decodes_plainly_with_a_note(checkpoints, capsys):
         ('{"token_ids": [5]}\n', ["--tree", "2"], "holds 3 to 36 nodes"),
         ('{"token_ids": [5]}\n', ["--tree", "8", "--no-mtp"], "not with --no-mtp"),
         ('{"token_ids": [5]}\n', ["--tree", "8", "--adaptive"], "does not draft trees"),
-        ('{"token_ids": [5]}\n', ["--tree", "8", "--invariant", "--max-new-tokens", "8"], "batch-invariant"),
     ],
 )
 def test_bad_input_is_one_line(checkpoints, capsys, tmp_path, content, extra, message):
@@ -192,6 +192,21 @@ def test_bad_input_is_one_line(checkpoints, capsys, tmp_path, content, extra, me
     assert code == 1
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert out == "" and not out_path.exists()
+
+
+def test_a_tree_under_invariance_without_the_attention_kernel_is_one_line(checkpoints, capsys, tmp_path, monkeypatch):
+    """Where no attention kernel takes a tree's mask batch-invariantly (a GPU, a CPU without the row kernel), a tree
+    under --invariant is refused before anything is decoded; on this CPU with the kernel it decodes."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"token_ids": [5, 6]}\n')
+    settings = ["--tree", "8", "--invariant", "--max-new-tokens", "8", "--prompts-file", path]
+    if dispatch.invariant_trees_here():
+        code, out, err = decode(capsys, "--model", checkpoints / "with_head", *settings, "--out", tmp_path / "a.jsonl")
+        assert code == 0, err
+    monkeypatch.setattr(dispatch, "invariant_trees_here", lambda: False)
+    code, out, err = decode(capsys, "--model", checkpoints / "with_head", *settings, "--out", tmp_path / "b.jsonl")
+    assert code == 1 and "batch-invariant" in err and len(err.strip().splitlines()) == 1, err
+    assert out == "" and not (tmp_path / "b.jsonl").exists()
 
 
 def test_missing_model_and_bad_option_values(checkpoints, capsys, tmp_path):

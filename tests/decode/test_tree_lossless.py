@@ -163,6 +163,55 @@ def test_committed_caches_hold_a_plain_prefill_of_the_same_tokens(predictable):
                                        rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+def _bfloat16(model):
+    graphdef, state = nnx.split(model)
+    cast = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return nnx.merge(graphdef, jax.tree.map(cast, state))
+
+
+needs_invariant_trees = pytest.mark.skipif(
+    not dispatch.invariant_trees_here(), reason="batch-invariant trees need the CPU row kernel's attention"
+)
+
+
+@needs_invariant_trees
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_trees_under_batch_invariant_decoding_give_plain_tokens_at_any_batch(predictable, dtype):
+    """Under batch-invariant decoding a node's verify row attends, through the CPU kernel's tree mask, over the cache
+    and its ancestors in order: the bits a plain step gets with its path in the cache. So the tree's tokens are plain
+    decoding's in bfloat16 too, for the batch and for a row decoded alone."""
+    model = predictable[0] if dtype == "float32" else _bfloat16(predictable[0])
+    plain = _decode(model, PROMPTS, PROMPT_LENS, num_draft=0, invariant=True)
+    tree = _decode(model, PROMPTS, PROMPT_LENS, num_draft=3, tree=8, tree_width=3, invariant=True)
+    _assert_same(tree, plain)
+    assert tree.stats.accepted_at[1] > 0
+    for row in (1, 3):
+        alone = _decode(model, PROMPTS[row : row + 1], PROMPT_LENS[row : row + 1], num_draft=3, tree=8, tree_width=3,
+                        invariant=True)  # fmt: skip
+        np.testing.assert_array_equal(alone.tokens[0], plain.tokens[row])
+
+
+@needs_invariant_trees
+def test_invariant_trees_commit_the_cache_bits_of_plain_decoding(predictable):
+    """bfloat16, batch-invariant: after three tree rounds every trunk cache slot below a row's position holds the
+    bits plain decoding wrote there (the accepted nodes' entries, computed beside their siblings, then moved)."""
+    model = _bfloat16(predictable[0])
+    graphdef, params = nnx.split(model)
+    ids, lens = jnp.asarray(PROMPTS), jnp.asarray(PROMPT_LENS)
+    settings = dict(max_new_tokens=NEW_TOKENS, stop_on_eos=False, invariant=True)
+    tree_cfg = mtp_jax.DecodeConfig(num_draft=3, tree=8, tree_width=3, **settings)
+    tree = _state_after_rounds(graphdef, params, ids, lens, tree_cfg, 3)
+    generated = np.asarray(tree.num_generated)
+    assert generated.max() > 3 + 1  # paths past depth 1 were committed
+    plain_cfg = mtp_jax.DecodeConfig(num_draft=0, **settings)
+    plain = _state_after_rounds(graphdef, params, ids, lens, plain_cfg, int(generated.max()))
+    position = np.asarray(tree.position)
+    assert (np.asarray(plain.position) >= position).all()
+    for b in range(len(PROMPTS)):
+        for got, want in ((tree.cache[0].k, plain.cache[0].k), (tree.cache[0].v, plain.cache[0].v)):
+            np.testing.assert_array_equal(np.asarray(got)[:, b, : position[b]], np.asarray(want)[:, b, : position[b]])
+
+
 def _walk(tokens, parents, picks) -> tuple[int, int, list[int]]:
     """The reference: from the root, step into the child whose token is the current entry's pick, while one is."""
     entry, path = 0, [0]

@@ -104,14 +104,19 @@ def test_fused_attention_is_the_same_bits_alone_and_in_any_pass(form):
 
 def test_kernel_matches_its_reference_past_the_cache_and_before_visible_from():
     """A block may lie past the cache's last slot (an MTP cache of fewer slots than positions) or start before
-    `visible_from`: its own entries are attended to causally all the same, and only cache slots are cut."""
+    `visible_from`: its own entries are attended to causally (or by a draft tree's mask) all the same, and only
+    cache slots are cut."""
     q, k, v, _, stack_k = inputs(3, seed=3)
     q = q.reshape(B, 3, K, G, H)
     small_k, small_v = stack_k[:, :, :8], stack_k[:, :, 8:16]  # 8 slots
     positions = jnp.asarray([12, 5, 0], jnp.int32)[:, None] + jnp.arange(3)
     start = jnp.asarray([2, 6, 0], jnp.int32)  # row 1: after its block's first position
     layer = jnp.int32(2)
-    args = (q, k, v, small_k, small_v, positions, layer, start)
     past = [cache_attention.LayerSlots(c, layer) for c in (small_k, small_v)]
-    fused = cpu_attention.attend(q, k, v, positions, *past, start)
-    np.testing.assert_allclose(np.asarray(fused), np.asarray(cpu_attention.reference(*args)), rtol=1e-5, atol=1e-5)
+    causal = jnp.zeros((0,), jnp.uint8)
+    tree = jnp.broadcast_to(jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool), (B, 3, 3))  # a root, two children
+    for block_mask, mask in ((None, causal), (tree, tree.astype(jnp.uint8))):
+        fused = cpu_attention.attend(q, k, v, positions, *past, start, block_mask)
+        want = cpu_attention.reference(q, k, v, small_k, small_v, positions, layer, start, mask)
+        np.testing.assert_allclose(np.asarray(fused), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(fused), np.asarray(cpu_attention.attend(q, k, v, positions, *past, start)))

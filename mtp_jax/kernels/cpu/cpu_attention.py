@@ -9,7 +9,9 @@ kernel reads keys and values where they lie in the stacked cache, takes the bloc
 written to, and gives each query its softmax over the cache before its block and, causally, the block, summed in
 slot order: a query's result depends on nothing else in the pass, so it is batch-invariant by construction (its
 numerics are its own: not the bits of the XLA forms). It serves every pass of batch-invariant decoding and, outside
-it, decode steps and verify blocks (`DECODE_POSITIONS`).
+it, decode steps and verify blocks (`DECODE_POSITIONS`). A draft tree's block takes its mask (each node sees its
+ancestors): a node's result is then the bits of a decode step with its path in the cache, so trees run under
+batch-invariant decoding too.
 """
 
 from __future__ import annotations
@@ -22,30 +24,30 @@ from mtp_jax.ops import dispatch
 from mtp_jax.ops.rowwise import attention_rows_exact
 
 KERNEL = "cpu_attention"  # its name in ops/dispatch.py
-DECODE_POSITIONS = 16  # a pass of at most this many positions a row (decode steps, verify blocks) takes the kernel
-# outside batch-invariant decoding; a prefill keeps XLA's form, whose products are GEMMs
-LANES = 16  # head dims are whole vectors of this many floats, at most MAX_HEAD_DIM
+DECODE_POSITIONS = 33  # a pass of at most this many positions a row (decode steps, verify blocks, a tree of 32
+# nodes and its root) takes the kernel outside batch-invariant decoding; a prefill keeps XLA's form (GEMMs)
 MAX_HEAD_DIM = 128
 
 
 def takes(q: jax.Array, past_k, shards: int) -> bool:
     """Whether the kernel can attend these queries [B, T, N, H] over this cache (an array [B, S, K, H] or
-    LayerSlots): float32 queries and cache, one run of slots (not split over devices), whole vectors of head dims,
-    on a CPU with the row kernel built (`rowwise.attention_rows_exact` is asked by the caller)."""
+    LayerSlots): float32 or bfloat16 queries and cache (bfloat16's values widened exactly), one run of slots (not
+    split over devices), at most MAX_HEAD_DIM head dims, on a CPU with the row kernel built
+    (`rowwise.attention_rows_exact` is asked by the caller)."""
     head_dim = q.shape[-1]
     return (
         shards == 1
-        and q.dtype == jnp.float32
-        and past_k.dtype == jnp.float32
-        and head_dim % LANES == 0
+        and q.dtype in (jnp.float32, jnp.bfloat16)
+        and past_k.dtype in (jnp.float32, jnp.bfloat16)
         and head_dim <= MAX_HEAD_DIM
         and cpu_rows.status() == "ready"
     )
 
 
-def attend(q, k, v, positions, past_k, past_v, visible_from) -> jax.Array:
+def attend(q, k, v, positions, past_k, past_v, visible_from, block_mask=None) -> jax.Array:
     """q [B, T, K, G, H] (scaled), k / v [B, T, K, H] the block's entries, positions [B, T], past_k / past_v one
-    layer's cache ([B, S, K, H] or LayerSlots), visible_from [B] or None -> [B, T, K, G, H] float32.
+    layer's cache ([B, S, K, H] or LayerSlots), visible_from [B] or None, block_mask [B, T, T] bool (the block
+    entries each query sees; None: causally) -> [B, T, K, G, H] float32.
     Differentiable: the gradients are those of `reference` (training an MTP layer through short passes)."""
     caches, layer = [], jnp.zeros((), jnp.int32)
     for past in (past_k, past_v):
@@ -56,22 +58,24 @@ def attend(q, k, v, positions, past_k, past_v, visible_from) -> jax.Array:
             caches.append(past[None])
     b = q.shape[0]
     start = jnp.zeros((b,), jnp.int32) if visible_from is None else visible_from.astype(jnp.int32)
-    blocks = k.astype(jnp.float32), v.astype(jnp.float32)
-    return _attend(q, *blocks, *caches, positions.astype(jnp.int32), layer, start)
+    blocks = k.astype(caches[0].dtype), v.astype(caches[0].dtype)  # as the cache will hold them
+    mask = jnp.zeros((0,), jnp.uint8) if block_mask is None else block_mask.astype(jnp.uint8)
+    return _attend(q.astype(jnp.float32), *blocks, *caches, positions.astype(jnp.int32), layer, start, mask)
 
 
 @jax.custom_vjp
-def _attend(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
+def _attend(q, k, v, cache_k, cache_v, positions, layer, start, mask) -> jax.Array:
     call = jax.ffi.ffi_call(
         cpu_rows.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
     )
-    return call(q, cache_k, cache_v, layer, k, v, positions, start)
+    return call(q, cache_k, cache_v, layer, k, v, positions, start, mask)
 
 
-def reference(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
+def reference(q, k, v, cache_k, cache_v, positions, layer, start, mask) -> jax.Array:
     """What the kernel computes, in XLA's ops (cache_attention's one-pass form, written here: that module imports
     this one): each query [B, T, K, G, H] over layer `layer`'s cache slots [L, B, S, K, H] from start[b] to
-    positions[b, 0] - 1 and, causally, over the block's entries k / v [B, T, K, H]."""
+    positions[b, 0] - 1 and over the block's entries k / v [B, T, K, H] that `mask` [B, T, T] marks (empty:
+    causally)."""
     t = positions.shape[1]
     keys, values = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in (cache_k, cache_v))
     slot = jnp.arange(keys.shape[1])
@@ -79,7 +83,8 @@ def reference(q, k, v, cache_k, cache_v, positions, layer, start) -> jax.Array:
     past = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
     past = jnp.where(seen[:, None, None, None], past, -jnp.inf)
     own = jnp.einsum("BTKGH,BUKH->BKGTU", q, k, preferred_element_type=jnp.float32)
-    own = jnp.where(jnp.tril(jnp.ones((t, t), bool)), own, -jnp.inf)
+    sees = jnp.tril(jnp.ones((t, t), bool)) if mask.size == 0 else mask.astype(bool)[:, None, None]
+    own = jnp.where(sees, own, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., : slot.size], values, preferred_element_type=jnp.float32)
     return out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., slot.size :], v, preferred_element_type=jnp.float32)
@@ -90,10 +95,10 @@ def _attend_forward(*operands):
 
 
 def _attend_backward(residuals, cotangent):
-    q, k, v, cache_k, cache_v, positions, layer, start = residuals
-    floats = lambda *a: reference(*a, positions, layer, start)
+    q, k, v, cache_k, cache_v, positions, layer, start, mask = residuals
+    floats = lambda *a: reference(*a, positions, layer, start, mask)
     _, pullback = jax.vjp(floats, q, k, v, cache_k, cache_v)
-    return (*pullback(cotangent), None, None, None)
+    return (*pullback(cotangent), None, None, None, None)
 
 
 _attend.defvjp(_attend_forward, _attend_backward)
@@ -101,13 +106,14 @@ _attend.defvjp(_attend_forward, _attend_backward)
 
 def _accepts(numerics: dispatch.Numerics, q: jax.Array, past_k, shards: int, whole_pass: bool) -> bool:
     """Decode steps and verify blocks (every pass where the batch-invariant form asks) that `takes` says it reads,
-    in a program for one CPU device."""
-    fits = whole_pass or q.shape[1] <= DECODE_POSITIONS
+    in a program for one CPU device. Outside batch-invariant decoding, float32 only (a bfloat16 model there keeps
+    XLA's form, not timed against the kernel)."""
+    fits = whole_pass or (q.shape[1] <= DECODE_POSITIONS and q.dtype == past_k.dtype == jnp.float32)
     return fits and numerics.has(KERNEL) and attention_rows_exact(q.dtype) and takes(q, past_k, shards)
 
 
 dispatch.register_kernel(
     KERNEL,
     lambda platform: platform == "cpu" and cpu_rows.status() == "ready",
-    attention=dispatch.Implementation(KERNEL, _accepts, attend),
+    attention=dispatch.Implementation(KERNEL, _accepts, attend, takes_block_mask=True),
 )

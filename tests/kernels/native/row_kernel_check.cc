@@ -184,7 +184,8 @@ void check_product(const Case& c, uint32_t seed) {
   same_bits(part, 0, M, "columns split at " + std::to_string(split));
 }
 
-void check_attention(int64_t H, uint32_t seed) {
+// `tree`: the block as a draft tree's (entry 0 the root; 1 and 2 its children, each seeing the root and itself)
+void check_attention(int64_t H, uint32_t seed, bool tree) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   const attention::Shapes d{2, 3, 2, 2, H, 10};  // B, T, K, G, H, S
@@ -200,11 +201,17 @@ void check_attention(int64_t H, uint32_t seed) {
   const std::vector<int32_t> positions = {6, 7, 8, 3, 4, 5}, from = {2, 0};
   const float* keys = cache_k.data() + layer * d.B * d.S * d.K * H;
   const float* values = cache_v.data() + layer * d.B * d.S * d.K * H;
+  auto sees = [&](int64_t t, int64_t u) { return tree ? u == 0 || u == t : u <= t; };
+  std::vector<uint8_t> mask(d.B * d.T * d.T);
+  for (int64_t i = 0; i < d.B * d.T * d.T; ++i) mask[i] = sees(i / d.T % d.T, i % d.T);
+  const uint8_t* block_mask = tree ? mask.data() : nullptr;
+  const std::string what = "attention H=" + std::to_string(H) + (tree ? " tree" : "");
   std::vector<float> scores;
+  std::vector<int64_t> seen;
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t k = 0; k < d.K; ++k)
-      attention::attend_pair(q.data(), keys, values, block_k.data(), block_v.data(), positions.data(), from[b], d, b,
-                             k, out.data(), scores);
+      attention::attend_pair(q.data(), keys, values, block_k.data(), block_v.data(), positions.data(), from[b],
+                             block_mask, d, b, k, out.data(), scores, seen);
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t t = 0; t < d.T; ++t)
       for (int64_t k = 0; k < d.K; ++k)
@@ -215,7 +222,8 @@ void check_attention(int64_t H, uint32_t seed) {
             ks.push_back(keys + ((b * d.S + s) * d.K + k) * H);
             vs.push_back(values + ((b * d.S + s) * d.K + k) * H);
           }
-          for (int64_t j = 0; j <= t; ++j) {
+          for (int64_t j = 0; j < d.T; ++j) {
+            if (!sees(t, j)) continue;
             ks.push_back(block_k.data() + ((b * d.T + j) * d.K + k) * H);
             vs.push_back(block_v.data() + ((b * d.T + j) * d.K + k) * H);
           }
@@ -231,8 +239,7 @@ void check_attention(int64_t H, uint32_t seed) {
             double want = 0.0;
             for (size_t j = 0; j < ks.size(); ++j) want += s[j] / total * vs[j][h];
             const double got = out[(((b * d.T + t) * d.K + k) * d.G + g) * H + h];
-            expect(std::fabs(got - want) <= 1e-5, "attention H=" + std::to_string(H) + " query " +
-                                                      std::to_string(b) + "," + std::to_string(t));
+            expect(std::fabs(got - want) <= 1e-5, what + " query " + std::to_string(b) + "," + std::to_string(t));
           }
         }
   attention::Shapes one = d;  // a block of one entry: its query's bits are those of the first query of three
@@ -247,12 +254,52 @@ void check_attention(int64_t H, uint32_t seed) {
   }
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t k = 0; k < d.K; ++k)
-      attention::attend_pair(q1.data(), keys, values, bk1.data(), bv1.data(), p1.data(), from[b], one, b, k,
-                             out1.data(), scores);
+      attention::attend_pair(q1.data(), keys, values, bk1.data(), bv1.data(), p1.data(), from[b], nullptr, one, b,
+                             k, out1.data(), scores, seen);
   for (int64_t b = 0; b < d.B; ++b)
     expect(std::memcmp(out1.data() + b * d.K * d.G * H, out.data() + b * d.T * d.K * d.G * H,
                        d.K * d.G * H * sizeof(float)) == 0,
-           "attention H=" + std::to_string(H) + ": row " + std::to_string(b) + "'s first query alone");
+           what + ": row " + std::to_string(b) + "'s first query alone");
+  // a bfloat16 cache: the bits of a float32 cache holding the same values (widening is exact)
+  auto halve = [](std::vector<float>& v) {
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) v[i] = to_float(h[i] = to_bf16(v[i]));
+    return h;
+  };
+  std::vector<float> fk = cache_k, fv = cache_v, fbk = block_k, fbv = block_v, out_f(q.size()), out_h(q.size());
+  const std::vector<uint16_t> hk = halve(fk), hv = halve(fv), hbk = halve(fbk), hbv = halve(fbv);
+  const int64_t at = layer * d.B * d.S * d.K * H;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t k = 0; k < d.K; ++k) {
+      attention::attend_pair(q.data(), fk.data() + at, fv.data() + at, fbk.data(), fbv.data(), positions.data(),
+                             from[b], block_mask, d, b, k, out_f.data(), scores, seen);
+      attention::attend_pair(q.data(), hk.data() + at, hv.data() + at, hbk.data(), hbv.data(), positions.data(),
+                             from[b], block_mask, d, b, k, out_h.data(), scores, seen);
+    }
+  expect(std::memcmp(out_f.data(), out_h.data(), q.size() * sizeof(float)) == 0,
+         what + ": a bfloat16 cache as the float32 cache of its values");
+  if (!tree) return;
+  // the last node's bits: those of a causal block of its path (the root, then itself) at the same positions
+  attention::Shapes two = d;
+  two.T = 2;
+  const int64_t per_query = d.K * d.G * H, per_entry = d.K * H;
+  std::vector<float> q2, bk2, bv2, out2(d.B * 2 * per_query);
+  std::vector<int32_t> p2;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t j : {int64_t{0}, d.T - 1}) {
+      q2.insert(q2.end(), q.begin() + (b * d.T + j) * per_query, q.begin() + (b * d.T + j + 1) * per_query);
+      bk2.insert(bk2.end(), block_k.begin() + (b * d.T + j) * per_entry, block_k.begin() + (b * d.T + j + 1) * per_entry);
+      bv2.insert(bv2.end(), block_v.begin() + (b * d.T + j) * per_entry, block_v.begin() + (b * d.T + j + 1) * per_entry);
+      p2.push_back(positions[b * d.T] + (j > 0));
+    }
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t k = 0; k < d.K; ++k)
+      attention::attend_pair(q2.data(), keys, values, bk2.data(), bv2.data(), p2.data(), from[b], nullptr, two, b,
+                             k, out2.data(), scores, seen);
+  for (int64_t b = 0; b < d.B; ++b)
+    expect(std::memcmp(out2.data() + (b * 2 + 1) * per_query, out.data() + (b * d.T + d.T - 1) * per_query,
+                       per_query * sizeof(float)) == 0,
+           what + ": row " + std::to_string(b) + "'s last node as the end of a causal block of its path");
 }
 
 }  // namespace
@@ -283,7 +330,8 @@ int main() {
   c = {"4-bit by int8 rows", 192, 320, 6, false, true, true, true};
   check_product<float, U4>(c, seed++);
   check_product<uint16_t, U4>(c, seed++);
-  for (int64_t H : {32, 64, 128}) check_attention(H, seed++);
+  for (int64_t H : {8, 20, 32, 64, 128})
+    for (bool tree : {false, true}) check_attention(H, seed++, tree);
   check_halves();
   std::printf("%d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;

@@ -3,13 +3,15 @@
 // block's own entries; batch-invariant by construction.
 //
 //   q        [B, T, K, G, H] float32 queries, already scaled (K kv heads, G queries per kv head)
-//   cache_k  [L, B, S, K, H] float32 (cache_v the same); layer `layer` (int32 scalar) is read
-//   block_k  [B, T, K, H] float32 (block_v the same): the entries this block writes at positions[b, 0] .. + T - 1
+//   cache_k  [L, B, S, K, H] float32 or bfloat16 (cache_v the same); layer `layer` (int32 scalar) is read
+//   block_k  [B, T, K, H] the cache's type (block_v the same): the entries this block writes at positions[b, 0] ..
+//            + T - 1, as the cache will hold them
 //   positions [B, T] int32, contiguous per row; from [B] int32: slots before it are not seen (0: all)
+//   mask     [B, T, T] uint8, or empty: the block entries each query sees (a draft tree's ancestry; empty: causally)
 //   out      [B, T, K, G, H] float32
 //
-// The t-th query of row b sees the cache slots from[b] .. positions[b, 0] - 1, then the block's entries 0 .. t (in
-// slot order: the slots they are written to): score_j = q . key_j (kLanes chains over H, added in a fixed tree),
+// The t-th query of row b sees the cache slots from[b] .. positions[b, 0] - 1, then the block's entries 0 .. t, or
+// those mask[b, t] marks (in block order: the order of the slots they are written to): score_j = q . key_j (kLanes chains over H, added in a fixed tree),
 // m = the largest score, out = sum_j exp(score_j - m) value_j / sum_j exp(score_j - m), both sums in that order.
 // Nothing in a query's result depends on the other queries of the pass, their rows or their number.
 
@@ -30,32 +32,38 @@ namespace {
 
 using attention::Shapes;
 
-ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
-                          ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> block_k,
-                          ffi::Buffer<ffi::F32> block_v, ffi::Buffer<ffi::S32> positions,
-                          ffi::Buffer<ffi::S32> from, ffi::ResultBuffer<ffi::F32> out) {
+template <typename C>
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache_k, ffi::AnyBuffer cache_v,
+                  ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer block_k, ffi::AnyBuffer block_v,
+                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> from, ffi::Buffer<ffi::U8> mask,
+                  ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), cd = cache_k.dimensions(), bd = block_k.dimensions();
   if (qd.size() != 5 || cd.size() != 5 || bd.size() != 4)
     return ffi::Error::InvalidArgument("cache_attention: q is [B, T, K, G, H], caches [L, B, S, K, H], blocks [B, T, K, H]");
   const Shapes d{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
   if (cd[1] != d.B || cd[3] != d.K || cd[4] != d.H || bd[0] != d.B || bd[1] != d.T || bd[2] != d.K || bd[3] != d.H ||
-      d.H % rows::kLanes != 0 || d.H > rows::kMaxHeadDim || positions.element_count() != d.B * d.T || from.element_count() != d.B)
-    return ffi::Error::InvalidArgument("cache_attention: shapes do not agree, or H is not 16, 32, ..., 128");
+      cache_v.element_count() != cache_k.element_count() || block_v.element_count() != block_k.element_count() ||
+      d.H < 1 || d.H > rows::kMaxHeadDim || positions.element_count() != d.B * d.T || from.element_count() != d.B ||
+      (mask.element_count() != 0 && mask.element_count() != d.B * d.T * d.T))
+    return ffi::Error::InvalidArgument("cache_attention: shapes do not agree, or H is not 1 to 128");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("cache_attention: layer out of range");
   const int64_t layer_size = d.B * d.S * d.K * d.H;
-  const float* keys = cache_k.typed_data() + l * layer_size;
-  const float* values = cache_v.typed_data() + l * layer_size;
+  const C* keys = static_cast<const C*>(cache_k.untyped_data()) + l * layer_size;
+  const C* values = static_cast<const C*>(cache_v.untyped_data()) + l * layer_size;
   const int64_t pairs = d.B * d.K;
-  const float *qp = q.typed_data(), *bk = block_k.typed_data(), *bv = block_v.typed_data();
+  const float* qp = q.typed_data();
+  const C *bk = static_cast<const C*>(block_k.untyped_data()), *bv = static_cast<const C*>(block_v.untyped_data());
   const int32_t *pp = positions.typed_data(), *fp = from.typed_data();
+  const uint8_t* mp = mask.element_count() ? mask.typed_data() : nullptr;
   float* op = out->typed_data();
   auto next = std::make_shared<std::atomic<int64_t>>(0);
   auto done = std::make_shared<std::atomic<int64_t>>(0);
   auto work = [=]() {
     std::vector<float> scores;
+    std::vector<int64_t> seen;
     for (int64_t p; (p = next->fetch_add(1)) < pairs;) {
-      attention::attend_pair(qp, keys, values, bk, bv, pp, fp[p / d.K], d, p / d.K, p % d.K, op, scores);
+      attention::attend_pair(qp, keys, values, bk, bv, pp, fp[p / d.K], mp, d, p / d.K, p % d.K, op, scores, seen);
       done->fetch_add(1);
     }
   };
@@ -66,17 +74,32 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache_k,
+                          ffi::AnyBuffer cache_v, ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer block_k,
+                          ffi::AnyBuffer block_v, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> from,
+                          ffi::Buffer<ffi::U8> mask, ffi::ResultBuffer<ffi::F32> out) {
+  const auto type = cache_k.element_type();
+  if (cache_v.element_type() != type || block_k.element_type() != type || block_v.element_type() != type)
+    return ffi::Error::InvalidArgument("cache_attention: the caches and the block's entries are not of one type");
+  if (type == ffi::DataType::F32)
+    return Attend<float>(pool, q, cache_k, cache_v, layer, block_k, block_v, positions, from, mask, out);
+  if (type == ffi::DataType::BF16)
+    return Attend<uint16_t>(pool, q, cache_k, cache_v, layer, block_k, block_v, positions, from, mask, out);
+  return ffi::Error::InvalidArgument("cache_attention: caches of float32 or bfloat16 only");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpJaxCacheAttention, CacheAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
