@@ -42,7 +42,8 @@ from mtp_jax.ops import dispatch
 
 def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
     """Refuse a draft tree where its passes cannot run: a recurrent trunk, more children than draft tokens,
-    batch-invariant decoding without an attention kernel that takes the tree's mask (the CPU's)."""
+    batch-invariant decoding without an attention kernel that takes the tree's mask (the CPU's; latent attention's
+    batch-invariant form takes none)."""
     if model.config.is_hybrid:
         raise ValueError(
             "draft trees need an attention-only trunk: a gated DeltaNet trunk's verify pass would carry a state per "
@@ -51,6 +52,11 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
     draft_vocab = model.config.mtp.draft_vocab_size or model.config.vocab_size
     if cfg.tree_width > draft_vocab:
         raise ValueError(f"a tree {cfg.tree_width} wide proposes more children than the {draft_vocab} draft tokens")
+    if cfg.invariant and model.config.mla is not None:
+        raise ValueError(
+            "draft trees do not run under batch-invariant decoding with latent attention (its batch-invariant form "
+            "takes no tree mask): decode with a chain"
+        )
     if cfg.invariant and not dispatch.invariant_trees_here():
         raise ValueError(
             "draft trees run under batch-invariant decoding (DecodeConfig.invariant, implied by 4-bit weights with "

@@ -235,8 +235,8 @@ def _grouped_attention(
                 out = fused() if block_mask is not None else jax.lax.platform_dependent(cpu=fused, default=written)
             elif block_mask is not None:
                 raise ValueError(
-                    "the batch-invariant form of attention takes no block mask (a draft tree) without the CPU "
-                    "decode attention kernel"
+                    "a draft tree under batch-invariant decoding needs the CPU decode attention kernel for this pass "
+                    "(float32 or bfloat16, head dims up to 128, one device); decode with a chain"
                 )
             else:
                 out = written()

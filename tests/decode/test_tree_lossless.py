@@ -212,6 +212,14 @@ def test_invariant_trees_commit_the_cache_bits_of_plain_decoding(predictable):
             np.testing.assert_array_equal(np.asarray(got)[:, b, : position[b]], np.asarray(want)[:, b, : position[b]])
 
 
+def test_latent_attention_refuses_a_tree_under_batch_invariant_decoding():
+    """Latent attention's batch-invariant form takes no tree mask: refused before anything is traced."""
+    model = predictable_moe_model("deepseek_v3", seed=2)
+    cfg = mtp_jax.DecodeConfig(num_draft=3, tree=8, tree_width=2, max_new_tokens=4, invariant=True)
+    with pytest.raises(ValueError, match="latent attention"):
+        mtp_jax.generate(model, PROMPTS[:1] % 64, PROMPT_LENS[:1], jax.random.key(0), cfg)
+
+
 def _walk(tokens, parents, picks) -> tuple[int, int, list[int]]:
     """The reference: from the root, step into the child whose token is the current entry's pick, while one is."""
     entry, path = 0, [0]
