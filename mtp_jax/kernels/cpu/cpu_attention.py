@@ -25,7 +25,8 @@ from mtp_jax.ops.rowwise import attention_rows_exact
 
 KERNEL = "cpu_attention"  # its name in ops/dispatch.py
 DECODE_POSITIONS = 33  # a pass of at most this many positions a row (decode steps, verify blocks, a tree of 32
-# nodes and its root) takes the kernel outside batch-invariant decoding; a prefill keeps XLA's form (GEMMs)
+# nodes and its root, a prompt as short) takes the kernel outside batch-invariant decoding; a longer prefill keeps
+# XLA's form (GEMMs)
 MAX_HEAD_DIM = 128
 
 
