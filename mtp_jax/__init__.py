@@ -11,7 +11,7 @@ from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import GenerateOutput, generate, generate_chunks
 from mtp_jax.decode.text import TextOutput, TextResult, generate_text
 from mtp_jax.decode.text_stream import stream_text
-from mtp_jax.kernels import fixed_tiles, routed_kernel  # noqa: F401  (kernels register: ops/dispatch.py)
+from mtp_jax.kernels import fixed_tiles, grouped_kernel, routed_kernel  # noqa: F401  (kernels register: ops/dispatch.py)
 from mtp_jax.kernels.cpu import cpu_attention, cpu_rows  # noqa: F401
 from mtp_jax.loading.checkpoint import load, load_model
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers

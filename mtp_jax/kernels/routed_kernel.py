@@ -72,16 +72,16 @@ def supports(weight) -> bool:
     return weight.values.dtype in (jnp.int8, jnp.float8_e4m3fn) and k % blocks == 0 and columns in (1, n)
 
 
-def _tile(f: int, d: int, gate, up, down) -> int | None:
+def _tile(f: int, d: int, gate, up, down, budget: int = TILE_BYTES) -> int | None:
     """The expert width's tile: the largest divisor of F, a multiple of LANES (or F itself), whose weight tiles
-    (double-buffered) fit TILE_BYTES and whose down-projection scale blocks keep Mosaic's (8, 128) tiling; None
+    (double-buffered) fit `budget` bytes and whose down-projection scale blocks keep Mosaic's (8, 128) tiling; None
     where none does."""
     itemsize = sum(_values(w).dtype.itemsize for w in (gate, up, down))
     down_blocks = down.scales.shape[-2] if isinstance(down, QuantizedArray) else 1
     for tile in sorted({t for t in range(LANES, f + 1, LANES) if f % t == 0} | {f}, reverse=True):
         rows_of_scales = down_blocks * tile // f
         aligned = tile == f or down_blocks == 1 or (tile % (f // down_blocks) == 0 and rows_of_scales % SUBLANES == 0)
-        if aligned and 2 * d * tile * itemsize <= TILE_BYTES:
+        if aligned and 2 * d * tile * itemsize <= budget:
             return tile
     return None
 
@@ -90,12 +90,25 @@ def _values(w):
     return w.values if isinstance(w, QuantizedArray) else w
 
 
-def kernel_tile(gate, up, down) -> int | None:
-    """The F tile the kernel would run with for these operands (stacks [L, E, ...]), or None where it cannot."""
+def kernel_tile(gate, up, down, budget: int = TILE_BYTES) -> int | None:
+    """The F tile the kernel would run with for these operands (stacks [L, E, ...]) with `budget` bytes of VMEM for
+    the weight tiles, or None where it cannot."""
     if not all(supports(w) for w in (gate, up, down)):
         return None
     *_, d, f = gate.shape
-    return _tile(f, d, gate, up, down)
+    return _tile(f, d, gate, up, down, budget)
+
+
+def weight_tiles(quantized: tuple[bool, bool, bool], refs: list, dtype) -> list[jax.Array]:
+    """The fetched tiles of gate, up [D, tile] and down [tile, D] in `dtype` (int8 / float8 ones times their
+    scales), from their refs (values, then scales where quantized) in order."""
+    tiles, rest = [], list(refs)
+    for is_quantized in quantized:
+        if is_quantized:
+            tiles.append(_dequantized(rest.pop(0), rest.pop(0), dtype))
+        else:
+            tiles.append(rest.pop(0)[...].astype(dtype))
+    return tiles
 
 
 def _dequantized(values_ref, scales_ref, dtype) -> jax.Array:
@@ -120,44 +133,48 @@ def _body(quantized: tuple[bool, bool, bool], *refs):
     @pl.when(u < count_ref[0])
     def _accumulate():
         x = x_ref[...]
-        tiles, rest = [], list(weights)
-        for is_quantized in quantized:
-            if is_quantized:
-                tiles.append(_dequantized(rest.pop(0), rest.pop(0), x.dtype))
-            else:
-                tiles.append(rest.pop(0)[...].astype(x.dtype))
-        gate, up, down = tiles  # [D, tile], [D, tile], [tile, D]
+        gate, up, down = weight_tiles(quantized, weights, x.dtype)  # [D, tile], [D, tile], [tile, D]
         f32 = jnp.float32
         hidden = jax.nn.silu(jnp.dot(x, gate, preferred_element_type=f32)) * jnp.dot(x, up, preferred_element_type=f32)
         hidden = hidden * mix_ref[...]  # [M, tile] times this expert's routing weight of each row [M, 1]
         out_ref[...] += jnp.dot(hidden.astype(x.dtype), down, preferred_element_type=f32)
 
 
-def _specs(weight, tile: int, down: bool) -> list[pl.BlockSpec]:
-    """Block specs of a stack [L, E, D, F] (or [L, E, F, D] when `down`) and of its scales: the tile of the
-    grid step's used expert in the given layer, fetched where it lies."""
+def weight_specs(weight, tile: int, down: bool, locate) -> list[pl.BlockSpec]:
+    """Block specs of a stack [L, E, D, F] (or [L, E, F, D] when `down`) and of its scales: the F tile of one
+    expert of one layer, fetched where it lies. locate(*grid indices, *scalar-prefetch refs) -> (layer, expert,
+    F tile index)."""
     *_, k, n = weight.shape
+
+    def at(place):  # place(layer, expert, j) -> the block's index
+        return lambda *args: place(*locate(*args))
+
     if down:
-        values = pl.BlockSpec((None, None, tile, n), lambda u, j, layer, used, count: (layer[0], used[u], j, 0))
+        values = pl.BlockSpec((None, None, tile, n), at(lambda layer, e, j: (layer, e, j, 0)))
     else:
-        values = pl.BlockSpec((None, None, k, tile), lambda u, j, layer, used, count: (layer[0], used[u], 0, j))
+        values = pl.BlockSpec((None, None, k, tile), at(lambda layer, e, j: (layer, e, 0, j)))
     if not isinstance(weight, QuantizedArray):
         return [values]
     blocks, columns = weight.scales.shape[-2:]
     if down:  # blocks along F: a tile's share of them (one block: the whole of it, at every tile)
         rows = max(1, blocks * tile // k)
-        index = (lambda u, j, layer, used, count: (layer[0], used[u], j, 0)) if blocks > 1 else (
-            lambda u, j, layer, used, count: (layer[0], used[u], 0, 0))  # fmt: skip
-        scales = pl.BlockSpec((None, None, rows, columns), index)
+        index = (lambda layer, e, j: (layer, e, j, 0)) if blocks > 1 else (lambda layer, e, j: (layer, e, 0, 0))
+        scales = pl.BlockSpec((None, None, rows, columns), at(index))
     else:
         width = tile if columns > 1 else 1
-        index = (lambda u, j, layer, used, count: (layer[0], used[u], 0, j)) if columns > 1 else (
-            lambda u, j, layer, used, count: (layer[0], used[u], 0, 0))  # fmt: skip
-        scales = pl.BlockSpec((None, None, blocks, width), index)
+        index = (lambda layer, e, j: (layer, e, 0, j)) if columns > 1 else (lambda layer, e, j: (layer, e, 0, 0))
+        scales = pl.BlockSpec((None, None, blocks, width), at(index))
     return [values, scales]
 
 
-def _operands(weight) -> list[jax.Array]:
+def buffered_bytes(specs: list[pl.BlockSpec], weights) -> int:
+    """VMEM the weight tiles of these specs take, double-buffered (specs in the order of `operands_of` each of
+    weights)."""
+    arrays = [a for w in weights for a in operands_of(w)]
+    return sum(2 * math.prod(s.block_shape[-2:]) * a.dtype.itemsize for s, a in zip(specs, arrays, strict=True))
+
+
+def operands_of(weight) -> list[jax.Array]:
     return [weight.values, weight.scales] if isinstance(weight, QuantizedArray) else [weight]
 
 
@@ -176,19 +193,20 @@ def routed_experts_kernel(
         raise ValueError("routed_experts_kernel: these expert weights are not ones the kernel reads (supports)")
     used, count = used_experts(ids, local, slots)
     mix = jnp.take(routing_mix(weights, ids, local), used, axis=1).T[..., None]  # [U, M, 1]
-    weight_specs = [*_specs(gate, tile, False), *_specs(up, tile, False), *_specs(down, tile, True)]
+    locate = lambda u, j, layer, used, count: (layer[0], used[u], j)
+    specs = [*weight_specs(gate, tile, False, locate), *weight_specs(up, tile, False, locate),
+             *weight_specs(down, tile, True, locate)]  # fmt: skip
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(slots, f // tile),
         in_specs=[
             pl.BlockSpec((rows, d), lambda u, j, layer, used, count: (0, 0)),
             pl.BlockSpec((None, rows, 1), lambda u, j, layer, used, count: (u, 0, 0)),
-            *weight_specs,
+            *specs,
         ],
         out_specs=pl.BlockSpec((rows, d), lambda u, j, layer, used, count: (0, 0)),
     )
-    tiles = sum(2 * math.prod(s.block_shape[-2:]) * o.dtype.itemsize for s, o in
-                zip(weight_specs, [*_operands(gate), *_operands(up), *_operands(down)], strict=True))  # fmt: skip
+    tiles = buffered_bytes(specs, (gate, up, down))
     quantized = tuple(isinstance(w, QuantizedArray) for w in (gate, up, down))
     call = pl.pallas_call(
         functools.partial(_body, quantized),
@@ -201,7 +219,7 @@ def routed_experts_kernel(
         name=KERNEL_NAME,
     )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    operands = (layer, used, count.reshape(1), x, mix, *_operands(gate), *_operands(up), *_operands(down))
+    operands = (layer, used, count.reshape(1), x, mix, *operands_of(gate), *operands_of(up), *operands_of(down))
     # A device none of whose experts the pass uses skips the call (its pipeline would fetch a first block anyway).
     return jax.lax.cond(count > 0, lambda: call(*operands), lambda: jnp.zeros((rows, d), jnp.float32))
 
@@ -229,8 +247,8 @@ GATHER = "routed_experts_gather"
 GATHER_COPY_FACTOR = 3  # the gathered form reads the used experts, writes their copy and reads it again
 
 
-def _pallas_accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool) -> bool:
-    return manual and not numerics.invariant and kernel_tile(gate, up, down) is not None
+def _pallas_accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool, small: bool) -> bool:
+    return manual and small and not numerics.invariant and kernel_tile(gate, up, down) is not None
 
 
 def _pallas_run(x, weights, ids, layer, gate, up, down) -> jax.Array:
@@ -238,10 +256,11 @@ def _pallas_run(x, weights, ids, layer, gate, up, down) -> jax.Array:
     return routed_experts_kernel(x, weights, ids, layer, gate, up, down, interpret=interpret)
 
 
-def _gather_accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool) -> bool:
-    """Where the copy of the used experts costs less than reading every expert: U slots x GATHER_COPY_FACTOR < E."""
+def _gather_accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool, small: bool) -> bool:
+    """A small pass, where the copy of the used experts costs less than reading every expert: U slots x
+    GATHER_COPY_FACTOR < E."""
     local = gate.shape[1]
-    return not numerics.invariant and GATHER_COPY_FACTOR * slots_for(x.shape[0], ids.shape[1], local) < local
+    return small and not numerics.invariant and GATHER_COPY_FACTOR * slots_for(x.shape[0], ids.shape[1], local) < local
 
 
 dispatch.register_kernel(

@@ -9,7 +9,9 @@ only the experts its rows use where the kernel dispatch has a form for it (kerne
 Pallas kernel reading each used expert where it lies in the layer stack, elsewhere XLA's gather of the used
 experts where that copy costs less than reading them all); otherwise it runs every expert on every row and weights
 each output by the row's routing (zero for experts it did not pick): plain dots that read a stacked layer's weights
-where they lie. Batch-invariant decoding (DecodeConfig.invariant) runs every pass that way, a large one in tiles of
+where they lie. A larger pass whose rows fit the kernel's memory (a verify block of a large batch) takes, on a TPU,
+kernels/grouped_kernel.py: the grouped matmul reading each used expert once where it lies in the stack.
+Batch-invariant decoding (DecodeConfig.invariant) runs every pass that way, a large one in tiles of
 DENSE_EXPERT_ROWS rows: a row's sums then never depend on how many rows came with it (a prefill pays E / O times
 the routed experts' flops for it). Shared experts (a plain SwiGLU) see every token.
 
@@ -79,14 +81,14 @@ def routed_experts(
     """
     picks, local = experts.shape[1], gate.shape[0]
     ids = experts - first  # [M, O] local expert ids
-    if x.shape[0] <= DENSE_EXPERT_ROWS:
-        stacks, layer = _as_stacks((gate, up, down))
-        routed = None if invariant else dispatch.experts_implementation(x, ids, *stacks, manual)
-        if routed is not None:
-            return routed.run(x, weights, ids, layer, *stacks)
-        gate, up, down = (layer_value(w) for w in (gate, up, down))
-        return _every_expert(x, weights, ids, gate, up, down)
+    small = x.shape[0] <= DENSE_EXPERT_ROWS
+    stacks, layer = _as_stacks((gate, up, down))
+    routed = None if invariant else dispatch.experts_implementation(x, ids, *stacks, manual, small)
+    if routed is not None:
+        return routed.run(x, weights, ids, layer, *stacks)
     gate, up, down = (layer_value(w) for w in (gate, up, down))
+    if small:
+        return _every_expert(x, weights, ids, gate, up, down)
     if invariant:
         return _every_expert_in_tiles(x, weights, ids, gate, up, down)
     gate, up, down = (dense(w) for w in (gate, up, down))  # a prefill's grouped matmuls take the weights in x's dtype

@@ -5,9 +5,9 @@ kernel is not split by XLA's partitioner), whether a batch-invariant decode is t
 it. It is built once per trace (`tracing`, entered by `speculative` and `invariance` around what they trace) and
 read by every product: `project` walks the registered implementations in their order and takes the first that
 accepts (the product's equation, operands and the Numerics); XLA's own form (ops/rowwise.py) takes the rest.
-Attention the same (`attend`): a registered kernel, or None for XLA's forms. A small pass's routed experts the same
-(`experts_implementation`): a registered form that reads only the experts the pass uses, or None for every expert
-on every row (models/moe.py).
+Attention the same (`attend`): a registered kernel, or None for XLA's forms. A pass's routed experts the same
+(`experts_implementation`): a registered form that reads only the experts the pass uses, or None for XLA's forms
+(every expert on every row for a small pass, grouped matmuls for a large one: models/moe.py).
 
 Kernels register themselves when imported (kernels/cpu/cpu_rows.py: the CPU row kernel and, from the same library, the
 decode attention of kernels/cpu/cpu_attention.py; kernels/fixed_tiles.py: a GPU's fixed tiles); the models import only
@@ -65,8 +65,8 @@ class Numerics:
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """A way to run products (`run(equation, x, weight, out_dtype)`), attention (`run(...)`, the operands of
-    `cache_attention.grouped_attention`) or a small pass's routed experts (`run(x, weights, ids, layer, gate, up,
-    down)`, kernels/routed_kernel.py), taken where `accepts(numerics, ...)` says yes."""
+    `cache_attention.grouped_attention`) or a pass's routed experts (`run(x, weights, ids, layer, gate, up,
+    down)`, kernels/routed_kernel.py, kernels/grouped_kernel.py), taken where `accepts(numerics, ...)` says yes."""
 
     name: str
     accepts: Callable[..., bool]
@@ -152,12 +152,16 @@ def attention_implementation(q: jax.Array, past_k: Any, shards: int, whole_pass:
 
 
 def experts_implementation(x: jax.Array, ids: jax.Array, gate: Any, up: Any, down: Any,
-                           manual: bool) -> Implementation | None:  # fmt: skip
-    """The first registered routed-experts form that accepts this small pass now (rows x [M, D], local expert ids
-    [M, O], the expert stacks [L, E, ...]), or None (every expert on every row). `manual`: the pass runs on one
-    device or inside the experts' shard_map (a custom call is not split by XLA's partitioner)."""
+                           manual: bool, small: bool) -> Implementation | None:  # fmt: skip
+    """The first registered routed-experts form that accepts this pass now (rows x [M, D], local expert ids
+    [M, O], the expert stacks [L, E, ...]), or None (every expert on every row for a small pass, XLA's grouped
+    matmuls for a large one). `manual`: the pass runs on one device or inside the experts' shard_map (a custom call
+    is not split by XLA's partitioner). `small`: a decode step or verify block of at most `moe.DENSE_EXPERT_ROWS`
+    rows."""
     numerics = current()
-    found = (i for i in _EXPERTS if i.name in numerics.kernels and i.accepts(numerics, x, ids, gate, up, down, manual))
+    found = (
+        i for i in _EXPERTS if i.name in numerics.kernels and i.accepts(numerics, x, ids, gate, up, down, manual, small)
+    )
     return next(found, None)
 
 

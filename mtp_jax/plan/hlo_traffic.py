@@ -14,10 +14,10 @@ the bodies of fusions or reducers) counts:
   - anything else (matmuls, custom calls, collectives, sorts): every operand and the result;
   - on TPU, an operand or result in on-chip memory (memory space `S(1)`, e.g. weights an async slice prefetched):
     nothing more;
-  - the routed-experts kernel (kernels/routed_kernel.py), whose reads of the expert stacks depend on the routing at
-    run time: its small operands and result, plus the experts it fetches per call times an expert's bytes in
-    each stack: `routed_reads(rows, local experts, slots)` where the caller knows the routing's model
-    (routed_floor.expected_experts), else every slot (an upper bound);
+  - the routed-experts kernels (kernels/routed_kernel.py, kernels/grouped_kernel.py), whose reads of the expert
+    stacks depend on the routing at run time: their small operands and result, plus the experts fetched per call
+    times an expert's bytes in each stack: `routed_reads(rows, local experts, slots)` where the caller knows the
+    routing's model (routed_floor.expected_experts), else every slot (an upper bound);
   - shape-only instructions (parameters, tuples, bitcasts, async done halves, the loop and call wrappers, TPU's
     `ConcatBitcast` of slices already fetched): nothing.
 A conditional counts its costliest branch (one runs: an upper bound).
@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from mtp_jax.kernels.grouped_kernel import KERNEL_NAME as GROUPED_KERNEL_NAME
 from mtp_jax.kernels.routed_kernel import KERNEL_NAME
 from mtp_jax.plan.hlo_text import (
     INSTRUCTION,
@@ -56,7 +57,7 @@ _UPDATE_OPERAND = {"dynamic-update-slice": 1, "scatter": 2}
 _TYPED_ARRAY = re.compile(r"([a-z][a-z0-9]*\[[0-9,]*\])(\{[^}]*\})?")  # an array type and its layout
 
 
-ROUTED_SMALL_OPERANDS = 5  # layer, used experts, count, x [M, D], mix [U, M, 1]; then the stacks [L, E, ...]
+ROUTED_MIX_OPERAND = 4  # the small-pass kernel's operands: layer, used experts, count, x [M, D], mix [U, M, 1], stacks
 RoutedReads = Callable[[int, int, int], float]  # (rows, local experts, slots) -> experts fetched per call
 
 
@@ -94,7 +95,7 @@ class _Traffic:
                 continue
             result, op, operands, rest = table[match.group(1)]
             if op == "custom-call" and match.group(1).startswith(KERNEL_NAME):
-                total += _routed_kernel_bytes(result, operands, self.types, self.routed_reads)
+                total += _routed_kernel_bytes(match.group(1), result, operands, self.types, self.routed_reads)
             else:
                 total += _instruction_bytes(result, op, operands, rest, self.types, self.tables)
             called = [c for c in callees(line) if c in self.bodies and c not in self.inner]
@@ -159,17 +160,23 @@ def _instruction_bytes(result: str, op: str, operands: list[str], rest: str, typ
     return _hbm(result) + sum(_hbm(types.get(o, "")) for o in operands)
 
 
-def _routed_kernel_bytes(result: str, operands: list[str], types: dict, routed_reads: RoutedReads | None) -> int:
-    """One call of the routed-experts kernel: its small operands and result whole, and of each stack [L, E, ...]
-    the experts it fetches (see the module doc)."""
-    small, stacks = operands[:ROUTED_SMALL_OPERANDS], operands[ROUTED_SMALL_OPERANDS:]
-    rows = array_dims(types.get(small[3], ""))[0]
-    slots = array_dims(types.get(small[4], ""))[0]
+def _routed_kernel_bytes(
+    name: str, result: str, operands: list[str], types: dict, routed_reads: RoutedReads | None
+) -> int:
+    """One call of a routed-experts kernel: its small operands and result whole, and of each stack [L, E, ...]
+    the experts it fetches (see the module doc). The small-pass kernel's slots are its mix operand's [U, M, 1]; the
+    grouped kernel's, every local expert (it fetches each used one once)."""
+    ranks = [len(array_dims(types.get(o, ""))) for o in operands]
+    small = [o for o, rank in zip(operands, ranks, strict=True) if rank < 4]
+    stacks = [o for o, rank in zip(operands, ranks, strict=True) if rank >= 4]
+    rows = array_dims(result)[0]
+    grouped = name.startswith(GROUPED_KERNEL_NAME)
     total = _hbm(result) + sum(_hbm(types.get(o, "")) for o in small)
-    for name in stacks:
-        layers, local, *_ = array_dims(types[name])
+    for stack in stacks:
+        layers, local, *_ = array_dims(types[stack])
+        slots = local if grouped else array_dims(types.get(small[ROUTED_MIX_OPERAND], ""))[0]
         fetched = slots if routed_reads is None else routed_reads(rows, local, slots)
-        total += fetched * _hbm(types[name]) / (layers * local)
+        total += fetched * _hbm(types[stack]) / (layers * local)
     return int(total)
 
 

@@ -1,7 +1,8 @@
-"""A small pass's routed experts read only the experts it uses (kernels/routed_kernel.py): the Pallas kernel (in
-Pallas' interpreter here; tests/plan/test_plan.py compiles it through Mosaic for a TPU topology) and XLA's gathered form
-against a float64 reference of each row through its own experts, greedy decoding through the kernel against every
-expert on every row, and the routed floor's expectation against exact enumeration."""
+"""A pass's routed experts read only the experts it uses: for a small pass the Pallas kernel of kernels/routed_kernel.py
+and XLA's gathered form, for a large one the grouped kernel of kernels/grouped_kernel.py (both kernels in Pallas'
+interpreter here; tests/plan/test_plan.py compiles them through Mosaic for a TPU topology), against a float64
+reference of each row through its own experts; greedy decoding through the kernels against every expert on every
+row; the routed floor's expectation against exact enumeration."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax.families.registry import model_config_from_hf, tiny_configs
-from mtp_jax.kernels import routed_kernel
+from mtp_jax.kernels import grouped_kernel, routed_kernel
+from mtp_jax.models import moe as moe_module
 from mtp_jax.ops import dispatch
 from mtp_jax.plan import routed_floor
 from mtp_jax.quant import fp8, int8, loop_weights, quantized_array
@@ -101,6 +103,69 @@ def test_the_kernel_reads_quantized_experts_as_stored(form):
     np.testing.assert_allclose(out, _every_expert(x, weights, ids, 1, stacks), rtol=2e-5, atol=2e-5)
 
 
+def _large_routing(name: str, rng) -> np.ndarray:
+    """Local ids [M, O] of a pass past one tile of sorted pairs (grouped_kernel.ROW_TILE)."""
+    if name == "pairs over three tiles, every expert":
+        return rng.integers(0, E, size=(150, 2))
+    if name == "all pairs on one expert, across tiles":
+        return np.full((140, 1), 5)
+    if name == "other shards' picks among them":
+        return rng.integers(-4, E + 4, size=(131, 3))
+    return rng.integers(E, 2 * E, size=(129, 2))  # no expert of this shard
+
+
+LARGE_ROUTINGS = ["pairs over three tiles, every expert", "all pairs on one expert, across tiles",
+                  "other shards' picks among them", "no expert of this shard"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("routing", LARGE_ROUTINGS)
+def test_the_grouped_kernel_matches_each_row_through_its_own_experts(routing):
+    rng = np.random.default_rng(len(routing))
+    ids = jnp.asarray(_large_routing(routing, rng), jnp.int32)
+    x = jnp.asarray(rng.normal(size=(ids.shape[0], D)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=ids.shape), jnp.float32)
+    stacks = _stacks(rng)
+    out = grouped_kernel.grouped_experts_kernel(x, weights, ids, jnp.int32(2), *stacks, interpret=True)
+    np.testing.assert_allclose(out, _every_expert(x, weights, ids, 2, stacks), rtol=2e-5, atol=2e-5)
+    if routing == "no expert of this shard":
+        assert not np.any(np.asarray(out))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["int8", "fp8", "bfloat16"])
+def test_the_grouped_kernel_reads_quantized_and_bfloat16_experts(form):
+    """int8 and float8 stacks read as stored; bfloat16 rows and weights, whose float32 outputs the kernel carries
+    back in two bfloat16 parts (within 2^-16 of each, against the reference of the same bfloat16 values)."""
+    rng = np.random.default_rng(11)
+    stacks = _stacks(rng, jnp.bfloat16) if form == "bfloat16" else _quantized(rng, form)
+    ids = jnp.asarray(_large_routing("other shards' picks among them", rng), jnp.int32)
+    dtype = jnp.bfloat16 if form == "bfloat16" else jnp.float32
+    x = jnp.asarray(rng.normal(size=(ids.shape[0], D)), dtype)
+    weights = jnp.asarray(rng.uniform(size=ids.shape), jnp.float32)
+    out = grouped_kernel.grouped_experts_kernel(x, weights, ids, jnp.int32(1), *stacks, interpret=True)
+    want = _every_expert(x, weights, ids, 1, stacks)
+    tolerance = 3e-2 if form == "bfloat16" else 2e-5  # bfloat16: the hidden rounded to it before the down product
+    np.testing.assert_allclose(out, want, rtol=tolerance, atol=tolerance)
+
+
+def test_work_items_cover_each_experts_pairs_once():
+    """Each used expert's items are the tiles its sorted pairs touch, in expert order, spare items repeating the
+    last one; against a count in numpy."""
+    rng = np.random.default_rng(5)
+    for _ in range(10):
+        rows, picks = int(rng.integers(1, 90)), int(rng.integers(1, 4))
+        ids = rng.integers(-2, E + 2, size=(rows, picks))
+        items = grouped_kernel.WorkItems(jnp.ones(ids.shape), jnp.asarray(ids, jnp.int32), E)
+        flat = np.sort(np.where((ids >= 0) & (ids < E), ids, E).reshape(-1), kind="stable")
+        want = [(e, t) for e in range(E) for t in sorted({i // grouped_kernel.ROW_TILE
+                                                           for i in np.flatnonzero(flat == e)})]  # fmt: skip
+        count = int(items.count)
+        got = list(zip(np.asarray(items.expert).tolist(), np.asarray(items.tile).tolist(), strict=True))
+        assert count == len(want) and got[:count] == want and count <= items.size
+        assert set(got[count:]) <= {got[count - 1]} if count else True
+
+
 def test_a_kernel_that_reads_the_wrong_layer_fails_the_comparison():
     """The comparison above can fail: layer 1's experts read where layer 2's were asked for."""
     rng = np.random.default_rng(3)
@@ -141,28 +206,34 @@ def test_the_routed_floor_expectation_matches_enumeration(rows, picks, total, lo
 
 def test_the_dispatch_picks_the_routed_form_for_small_passes():
     """On a CPU: XLA's gathered form where copying the used experts costs less than reading them all (3 U < E),
-    every expert elsewhere and under batch-invariant decoding (its fixed order)."""
+    every expert elsewhere and under batch-invariant decoding (its fixed order); XLA's grouped matmuls for a large
+    pass."""
     stacks = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((1, 64, D, F), (1, 64, D, F), (1, 64, F, D)))
     pick = lambda rows, invariant=False: _picked(rows, stacks, invariant)
     assert pick(1) == routed_kernel.GATHER  # 8 slots of 64 experts
     assert pick(2) == routed_kernel.GATHER
     assert pick(3) is None  # 24 slots: 72 >= 64
     assert pick(1, invariant=True) is None
+    assert pick(moe_module.DENSE_EXPERT_ROWS + 1) is None  # a large pass: the grouped kernel is a TPU's
 
 
 def _picked(rows, stacks, invariant):
     x = jax.ShapeDtypeStruct((rows, D), jnp.float32)
     ids = jax.ShapeDtypeStruct((rows, 8), jnp.int32)
     with dispatch.tracing(invariant):
-        found = dispatch.experts_implementation(x, ids, *stacks, manual=True)
+        found = dispatch.experts_implementation(
+            x, ids, *stacks, manual=True, small=rows <= moe_module.DENSE_EXPERT_ROWS
+        )
     return None if found is None else found.name
 
 
 @pytest.mark.slow
-def test_greedy_decoding_through_the_kernel_is_every_experts(monkeypatch):
-    """A tiny DeepSeek-V3 (16 experts, 4 picks), batch 4 of mixed prompt lengths: greedy decoding with every small
-    pass through the kernel (Pallas' interpreter, made available on this CPU) gives the tokens of every expert on
-    every row, plain and with 2 drafts a round."""
+@pytest.mark.parametrize("kernel", [routed_kernel.PALLAS, grouped_kernel.NAME])
+def test_greedy_decoding_through_the_kernel_is_every_experts(monkeypatch, kernel):
+    """A tiny DeepSeek-V3 (16 experts, 4 picks), batch 4 of mixed prompt lengths: greedy decoding with the routed
+    experts through a kernel (Pallas' interpreter, made available on this CPU) gives the tokens of every expert on
+    every row, plain and with 2 drafts a round. The grouped kernel takes passes past DENSE_EXPERT_ROWS, lowered to 2
+    here so that every pass (prefill, steps, verify blocks) is one."""
     cfg = model_config_from_hf(tiny_configs()["deepseek_v3"]).replace(eos_token_ids=())
     model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(0))
     lens = np.array([3, 9, 1, 6], np.int32)
@@ -176,12 +247,15 @@ def test_greedy_decoding_through_the_kernel_is_every_experts(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(dispatch, "_EXPERTS", [])  # no routed form: every expert on every row
         every_expert = decode(0)
-    patch_kernel = [i for i in dispatch._EXPERTS if i.name == routed_kernel.PALLAS]
-    monkeypatch.setattr(dispatch, "_EXPERTS", patch_kernel)
-    monkeypatch.setitem(dispatch._AVAILABLE, routed_kernel.PALLAS, lambda platform: True)
+    module = routed_kernel if kernel == routed_kernel.PALLAS else grouped_kernel
+    run_name = "routed_experts_kernel" if kernel == routed_kernel.PALLAS else "grouped_experts_kernel"
+    if kernel == grouped_kernel.NAME:
+        monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 2)
+    monkeypatch.setattr(dispatch, "_EXPERTS", [i for i in dispatch._EXPERTS if i.name == kernel])
+    monkeypatch.setitem(dispatch._AVAILABLE, kernel, lambda platform: True)
     ran = []
-    run = routed_kernel.routed_experts_kernel
-    monkeypatch.setattr(routed_kernel, "routed_experts_kernel", lambda *a, **k: ran.append(1) or run(*a, **k))
+    run = getattr(module, run_name)
+    monkeypatch.setattr(module, run_name, lambda *a, **k: ran.append(1) or run(*a, **k))
     np.testing.assert_array_equal(decode(0), every_expert)
     np.testing.assert_array_equal(decode(2), every_expert)
     assert ran  # the passes went through the kernel

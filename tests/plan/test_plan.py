@@ -17,9 +17,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mtp_jax.config.model import MoeConfig
 from mtp_jax.decode import speculative
+from mtp_jax.kernels import grouped_kernel
 from mtp_jax.models import causal_lm
 from mtp_jax.models import moe as moe_module
 from mtp_jax.models.cache_attention import LayerSlots
+from mtp_jax.ops import dispatch
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import hlo_text, hlo_traffic, planning, shapes, topology
 from mtp_jax.plan.hlo_collectives import array_bytes, collectives
@@ -378,8 +380,42 @@ def test_small_moe_passes_read_stacked_expert_weights_in_place(monkeypatch):
 
     assert expert_copies() == []
     monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 0)
+    monkeypatch.setattr(dispatch, "_EXPERTS", [i for i in dispatch._EXPERTS if i.name != grouped_kernel.NAME])
     jax.clear_caches()
     assert expert_copies()
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+def test_large_moe_passes_run_the_grouped_kernel_over_the_whole_stacks(monkeypatch):
+    """Compiled for TPU (Mosaic), an MTP round whose passes are past DENSE_EXPERT_ROWS (lowered to 4 here: the
+    batch of 8 and its 32-row verify block are large passes) runs each MoE layer's experts as one grouped-kernel
+    call over the whole stacks: no instruction writes a layer's expert weight anywhere (no copy of a stack), and
+    the round's traffic counts (hlo_traffic) grow by an expert's bytes per fetched expert and call: once per MoE
+    layer of the verify and per MTP pass. The experts are 4096 wide here: at 256, XLA prefetched the MTP layer's
+    (2 MiB a chip) into on-chip memory whole."""
+    monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 4)
+    target = topology.resolve("v5p:2x2x1")
+    rules = sharding.ShardingRules(sharding.make_mesh("data=1,expert=4,model=1", target.devices))
+    work = planning.Workload(batch=8, prompt_len=16, max_new_tokens=32, num_draft=3)
+    cfg = wide_moe("deepseek")
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, expert_intermediate_size=4096))
+    model = planning.abstract_model(cfg, jnp.bfloat16, rules, layout="stacked")
+    local, d, f = cfg.moe.num_experts // 4, cfg.hidden_size, cfg.moe.expert_intermediate_size
+    state = planning.start_state(model, work, 3)
+    hlo = planning.round_program(model, work, 3, state, planning.compile_round(model, work, 3, state))
+    bodies, runs = hlo_text.loop_runs(hlo, speculative.DECODE_LOOP)
+    calls = [
+        line for name, lines in bodies.items() if runs[name] for line in lines if grouped_kernel.KERNEL_NAME in line
+    ]
+    assert calls, "the round runs no grouped-experts kernel"
+    assert materialized(hlo, {(local, d, f), (local, f, d)}) == []
+    expert = 3 * d * f * 2  # gate, up, down of one expert, bfloat16
+    fetched = lambda n: hlo_traffic.hbm_bytes(hlo, speculative.DECODE_LOOP, lambda rows, local, slots: n)
+    per_expert = fetched(2) - fetched(1)
+    assert per_expert > 0 and fetched(4) - fetched(2) == pytest.approx(2 * per_expert, rel=1e-6)
+    calls = per_expert / expert
+    assert calls == pytest.approx(cfg.num_layers - cfg.moe.first_dense_layers + 3, abs=1e-6)  # + 3 MTP passes
 
 
 @pytest.mark.slow
