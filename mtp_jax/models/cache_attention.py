@@ -34,7 +34,7 @@ from flax import struct
 from mtp_jax.ops import loops
 from mtp_jax.ops.dispatch import attention_implementation
 from mtp_jax.ops.rowwise import attention_rows_exact, product, row_product, row_sum
-from mtp_jax.parallel.sharding import CACHE, HEADS, WHOLE_HEADS, constrain, slot_shards
+from mtp_jax.parallel.sharding import CACHE, HEADS, constrain, constrain_beside_slots, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
 ATTENTION_FORMS = ("one_pass", "chunked", "invariant")  # how a cache is attended (module docstring)
@@ -203,7 +203,7 @@ def _grouped_attention(
     b, t, n, h = q.shape
     slots = past_k.shape[1]
     if shards > 1:
-        q = constrain(q, WHOLE_HEADS)
+        q = constrain_beside_slots(q, CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
     f32 = jnp.float32
     if attention != "one_pass":

@@ -39,7 +39,13 @@ from mtp_jax.models.cache_attention import (
 from mtp_jax.models.layers import RMSNorm, apply_rope, init_weight
 from mtp_jax.ops.rowwise import attention_rows_exact, float32_product, product, project, row_product
 from mtp_jax.ops.stacked_weights import layer_value
-from mtp_jax.parallel.sharding import HEADS, LATENT_CACHE, WHOLE_HEADS, constrain, slot_shards
+from mtp_jax.parallel.sharding import (
+    HEADS,
+    LATENT_CACHE,
+    constrain,
+    constrain_beside_slots,
+    slot_shards,
+)
 from mtp_jax.quant.matmul_axes import MatmulAxes
 from mtp_jax.quant.quantized_array import QuantizedArray, block_parts
 
@@ -198,13 +204,16 @@ class MultiHeadLatentAttention(nnx.Module):
         q_latent = project("BTNH,RNH->BTNR", q_nope, w_uk)
         query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, N, C]: matches a cached row [latent, rope]
         if shards > 1:
-            query = constrain(query, WHOLE_HEADS)
+            query = constrain_beside_slots(query, LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
         block_scores = jnp.einsum("BTNC,BUC->BNTU", query, block, preferred_element_type=f32)
         if chunked:
             query_rows = jnp.tile(query, (shards, 1, 1, 1))  # [M * B, T, N, C]
+            query_rows = constrain_beside_slots(query_rows, LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
 
             def attend_chunk(first):
-                latents = read_chunks(past, first, ATTENTION_CHUNK, shards).astype(dtype)  # [M * B, S, C], S: a chunk
+                # [M * B, S, C], S: a chunk. The barrier keeps attention's preferred layout from reaching back to the
+                # layer stack (compiled for TPU, XLA copied a segment's whole latent cache into it at every step).
+                latents = jax.lax.optimization_barrier(read_chunks(past, first, ATTENTION_CHUNK, shards)).astype(dtype)
                 scores = jnp.einsum("BTNC,BSC->BNTS", query_rows, latents, preferred_element_type=f32)
                 return scores, lambda probs: float32_product("BNTS,BSR->BTNR", probs.astype(dtype), latents[..., :r])
 
@@ -232,7 +241,7 @@ class MultiHeadLatentAttention(nnx.Module):
         r, slots = self.latent_rank, past.shape[1]
         query = jnp.concatenate([project("BTNH,RNH->BTNR", q_nope, w_uk), q_rope], axis=-1)  # [B, T, N, C]
         if shards > 1:
-            query = constrain(query, WHOLE_HEADS)
+            query = constrain_beside_slots(query, LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
         query_rows = jnp.tile(query, (shards, 1, 1, 1))  # [M * B, T, N, C]
         run_starts, entries = whole_chunk_runs(slots, shards), block.astype(past.dtype)  # as the cache will hold it
         exact_rows = attention_rows_exact(dtype)  # no twin for a lone row (rowwise.row_product)

@@ -63,10 +63,11 @@ LAYER_MESHES = (
 NEW_TOKENS = 24
 LENS = np.array([1, 7, 4, 10, 3, 9, 2, 5], np.int32)
 IDS = np.where(np.arange(10) < LENS[:, None], np.random.default_rng(1).integers(0, 24, (8, 10)), 0).astype(np.int32)
-# Long prompts on meshes whose `model` (and `expert`) axes cannot split the attention caches' heads (2 kv heads on
-# model=4; MLA's latents): the caches split over their slots, 4 shards of 256 (SLOT_SHARDS); rows end in the first
-# three shards, some decoding across the shard boundaries at slots 256 and 512.
-SLOT_MESHES = {"gqa": "data=2,model=4", "hybrid": "data=2,model=4", "latent": "data=2,expert=2,model=2"}
+# Long prompts on meshes whose `model` axis cannot split the attention caches' heads (2 kv heads on model=4; MLA's
+# latents, whose slots split over `expert` where the mesh has one, the heads over `model` beside them): the caches
+# split over their slots, 4 shards of 256 (SLOT_SHARDS); rows end in the first three shards, some decoding across the
+# shard boundaries at slots 256 and 512.
+SLOT_MESHES = {"gqa": "data=2,model=4", "hybrid": "data=2,model=4", "latent": "data=1,expert=4,model=2"}
 SLOT_SHARDS = 4
 SLOT_DRAFTS = (3,)  # a verify block, a draft step and the prefill (plain steps' attention is a block of one)
 LONG_NEW_TOKENS = 8
