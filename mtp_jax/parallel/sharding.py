@@ -224,10 +224,9 @@ class ShardingRules:
         over (`cache_spec`; the slot count itself is not looked at): when no other dimension takes `model` (kv heads
         that `model` does not divide, or no head axis: MLA's latents), `model` and `expert` (those larger than 1);
         none otherwise, or when its slots already take a mesh axis. A cache with no head axis on a mesh with an
-        `expert` axis splits its slots over `expert` only: each device then attends only the heads `model` gives
-        it beside its slots (`heads_beside_slots`), not every head, for `model` copies of each shard of the cache
-        (DeepSeek-V3 on v5p:4x4x4, data=1,expert=16,model=4, batch 8: a plain step moved 1.5 GiB of latent
-        attention's activations split over all 64 chips)."""
+        `expert` axis: `expert` only, each device attending beside its slots only the heads `model` gives it
+        (`constrain_beside_slots`), for `model` copies of the cache (split over all of DeepSeek-V3's 64 chips, every
+        head beside them, a plain step at batch 8 moved 1.5 GiB of latent attention's activations)."""
         used = {axis for part in self.spec(logical, shape) if part for axis in _axes_of(part)}
         if "model" in used or self.mesh_axes("seq"):
             return ()
@@ -235,13 +234,6 @@ class ShardingRules:
         if "heads" not in logical and "kv_heads" not in logical and "expert" in axes:
             return ("expert",)
         return axes
-
-    def heads_beside_slots(self, logical: Logical, shape: Sequence[int], chunk: int) -> tuple[str, ...]:
-        """The mesh axes per-head activations [B, T, N, .] split their heads over while attending a cache with these
-        logical axes and `shape`: the heads' axes other than those its slots are split over (each device attends,
-        beside its slots, the heads the rest of its mesh coordinates give it; none left: every head)."""
-        slots = set(self.slot_axes(logical, shape)) if self.slot_shards(logical, shape, chunk) > 1 else set()
-        return tuple(axis for axis in self.mesh_axes("heads") if axis not in slots)
 
     def cache_spec(self, logical: Logical, shape: Sequence[int], chunk: int) -> PartitionSpec:
         """The PartitionSpec of a cache with these logical axes (slot axis `seq`) and `shape`: as `spec`, with its slots
@@ -292,16 +284,16 @@ def slot_shards(logical: Logical, shape: Sequence[int], chunk: int) -> int:
 
 
 def constrain_beside_slots(x: jax.Array, logical: Logical, shape: Sequence[int], chunk: int) -> jax.Array:
-    """Per-head activations x [B, T, N, .] (or [M * B, T, N, .]: each row's queries beside each of the M shards of
-    the cache's slots, run m of row b at m * B + b) pinned to attend a cache with these logical axes and `shape`
-    split over its slots: rows with their slot shard (the slot axes, then the batch's), heads over
-    `ShardingRules.heads_beside_slots`; `x` itself without rules or a split. Left to XLA's partitioner, the queries
-    of DeepSeek-V3's verify block (heads over all 64 chips of v5p:4x4x4) were gathered whole onto every chip."""
+    """Per-head activations x [B, T, N, .] (or [M * B, T, N, .]: run m of row b at m * B + b) pinned to attend a
+    cache with these logical axes and `shape` split over its slots: rows with their slot shard (the slot axes, then
+    the batch's), heads over the heads' axes other than the slots' (each device attends beside its slots the heads
+    the rest of its mesh coordinates give it; none left: every head); `x` itself without rules or such a split."""
     rules = _ACTIVE.get()
     if rules is None or rules.slot_shards(logical, shape, chunk) == 1:
         return x
-    rows = (*(rules.slot_axes(logical, shape) if x.shape[0] > shape[0] else ()), *rules.mesh_axes("batch"))
-    heads = rules.heads_beside_slots(logical, shape, chunk)
+    slots = rules.slot_axes(logical, shape)
+    rows = (*(slots if x.shape[0] > shape[0] else ()), *rules.mesh_axes("batch"))
+    heads = tuple(axis for axis in rules.mesh_axes("heads") if axis not in slots)
     while heads and x.shape[2] % math.prod(rules.mesh.shape[axis] for axis in heads):
         heads = heads[:-1]  # as `spec` drops the axes that do not divide the heads
     part = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes

@@ -52,9 +52,11 @@ def test_fp8_checkpoint_converts_to_a_folder_that_keeps_it_fp8(tmp_path):
     assert_same_params(from_folder, direct)
     prompts = prompts_for(direct)
     np.testing.assert_array_equal(logits_of(from_folder, prompts), logits_of(direct, prompts))
-    # float32 elsewhere, so the saving is the quantized weights' 3 of every 4 bytes (less their scales)
+    # float32 elsewhere, so the saving is the quantized weights' 3 of every 4 bytes, less their scales, the manifest
+    # and the checkpointer's metadata of the extra arrays (2.49 bytes a value with orbax-checkpoint 0.12.8); one
+    # kept as bfloat16 would save 2
     quantized_bytes = sum(q.values.size for q in quantized_params(direct))
-    assert folder_bytes(wide) - folder_bytes(kept) > 2.5 * quantized_bytes
+    assert folder_bytes(wide) - folder_bytes(kept) > 2.25 * quantized_bytes
 
     dense = mtp_jax.load_model(str(kept), dtype=jnp.float32, weights="bfloat16")
     assert not quantized_params(dense)
