@@ -26,8 +26,6 @@ width, F expert width, R sorted (row, pick) pairs (padded to whole tiles), G wor
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -35,7 +33,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mtp_jax.kernels import routed_kernel
 from mtp_jax.ops import dispatch
-from mtp_jax.quant.quantized_array import QuantizedArray
 
 KERNEL_NAME = routed_kernel.KERNEL_NAME + "_grouped"  # hlo_traffic counts its stack reads as the routed kernel's
 ROW_TILE = 128  # sorted (row, pick) pairs an item takes
@@ -162,23 +159,12 @@ def grouped_experts_kernel(
         out_specs=pl.BlockSpec((padded, d), whole),
     )
     vmem = _vmem_bytes(padded, d, jnp.dtype(x.dtype).itemsize, routed_kernel.buffered_bytes(specs, (gate, up, down)))
-    quantized = tuple(isinstance(w, QuantizedArray) for w in (gate, up, down))
-    call = pl.pallas_call(
-        functools.partial(_body, quantized),
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((padded, d), jnp.float32),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=vmem + 16 * 2**20
-        ),
-        interpret=interpret,
-        name=KERNEL_NAME,
-    )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     stacks = [a for w in (gate, up, down) for a in routed_kernel.operands_of(w)]
     operands = (layer, items.expert, items.tile, items.count.reshape(1), x_rows, items.row[:, None],
                 items.row[None, :], items.group, items.weight, *stacks)  # fmt: skip
-    # A device none of whose experts the pass uses skips the call (its pipeline would fetch a first block anyway).
-    out = jax.lax.cond(items.count > 0, lambda: call(*operands), lambda: jnp.zeros((padded, d), jnp.float32))
+    out = routed_kernel.call_if_used(_body, (gate, up, down), grid_spec, (padded, d), vmem, KERNEL_NAME, interpret,
+                                     items.count, operands)  # fmt: skip
     return out[:rows]
 
 

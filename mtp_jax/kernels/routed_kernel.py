@@ -206,22 +206,28 @@ def routed_experts_kernel(
         ],
         out_specs=pl.BlockSpec((rows, d), lambda u, j, layer, used, count: (0, 0)),
     )
-    tiles = buffered_bytes(specs, (gate, up, down))
-    quantized = tuple(isinstance(w, QuantizedArray) for w in (gate, up, down))
-    call = pl.pallas_call(
-        functools.partial(_body, quantized),
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=tiles + 16 * 2**20
-        ),
-        interpret=interpret,
-        name=KERNEL_NAME,
-    )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     operands = (layer, used, count.reshape(1), x, mix, *operands_of(gate), *operands_of(up), *operands_of(down))
-    # A device none of whose experts the pass uses skips the call (its pipeline would fetch a first block anyway).
-    return jax.lax.cond(count > 0, lambda: call(*operands), lambda: jnp.zeros((rows, d), jnp.float32))
+    vmem = buffered_bytes(specs, (gate, up, down))
+    return call_if_used(_body, (gate, up, down), grid_spec, (rows, d), vmem, KERNEL_NAME, interpret, count, operands)
+
+
+def call_if_used(body, weights, grid_spec, out_shape, vmem: int, name: str, interpret: bool, count, operands):
+    """The float32 output `out_shape` of a routed-experts Pallas call of `body(quantized, *refs)` over `operands`
+    (VMEM limit `vmem` bytes plus 16 MiB), or zeros where `count` (experts used here) is 0: a device none of whose
+    experts the pass uses skips the call (its pipeline would fetch a first block anyway)."""
+    quantized = tuple(isinstance(w, QuantizedArray) for w in weights)
+    call = pl.pallas_call(
+        functools.partial(body, quantized),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=vmem + 16 * 2**20
+        ),
+        interpret=interpret,
+        name=name,
+    )
+    return jax.lax.cond(count > 0, lambda: call(*operands), lambda: jnp.zeros(out_shape, jnp.float32))
 
 
 def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, layer: jax.Array, gate, up, down) -> jax.Array:
