@@ -64,8 +64,8 @@ def interleaved_walls(runs: list, repeats: int) -> list[list[float]]:
 
 def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | None, peers=()):
     """Rows (fields, tokens) for one padded batch: ours for each k in `drafts`, then the adaptive loop, then draft
-    trees of each budget in args.tree (as deep as the largest k), then the peers
-    (`peers`: (name, run) pairs),
+    trees of each budget in args.tree (as deep as the largest k; with --adaptive, each also as a choice of the
+    adaptive loop), then the peers (`peers`: (name, run) pairs),
     timed in interleaved sweeps; with --split, each fixed k with its round's parts and the plain rows with their
     roofline fraction."""
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_on_eos=False,
@@ -87,12 +87,19 @@ def time_batch(args, model, ids, lens, drafts: list[int], bandwidth: float | Non
         adaptive = {"impl": "mtp_jax adaptive", "batch": len(ids), "k": max(drafts), "invariant": args.invariant}
         rows.append({**adaptive, "round_costs": list(costs)})
         runs.append(OursRun(model, ids, lens, cfg))
-    for budget in args.tree:  # draft trees, as deep as the longest chain
-        depth = max(drafts)
-        cfg = DecodeConfig(num_draft=depth, tree=budget, tree_width=args.tree_width, **settings)
-        impl = f"mtp_jax tree N={budget} W={args.tree_width}"
+    for budget in args.tree:  # draft trees, as deep as the longest chain; adaptive among them and the chains
+        depth, width = max(drafts), args.tree_width
+        cfg = DecodeConfig(num_draft=depth, tree=budget, tree_width=width, **settings)
+        impl = f"mtp_jax tree N={budget} W={width}"
         rows.append({"impl": impl, "batch": len(ids), "k": depth, "tree": budget, "invariant": args.invariant})
         runs.append(OursRun(model, ids, lens, cfg))
+        if timer is not None and args.adaptive:
+            costs = timer.adaptive_costs(depth, budget, width)
+            cfg = DecodeConfig(num_draft=depth, adaptive=True, round_costs=costs, tree=budget, tree_width=width,
+                               **settings)  # fmt: skip
+            rows.append({"impl": f"mtp_jax adaptive, tree N={budget} W={width}", "batch": len(ids), "k": depth,
+                         "tree": budget, "invariant": args.invariant, "round_costs": list(costs)})  # fmt: skip
+            runs.append(OursRun(model, ids, lens, cfg))
     for k in drafts if args.invariance_cost else ():  # the other numerics, whole decodes only
         cfg = DecodeConfig(num_draft=k, **{**settings, "invariant": not args.invariant})
         rows.append({"impl": "mtp_jax", "batch": len(ids), "k": k, "invariant": not args.invariant})

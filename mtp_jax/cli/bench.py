@@ -302,7 +302,8 @@ def markdown(result: dict) -> str:
         same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "no")
         if "round_costs" in r:
             used = "/".join(str(n) for n in r["rounds_by_num_draft"])
-            per_pos += f"; rounds with 0..{r['k']} drafts: {used} ({r['rest_rounds']} of the 0 rests)"
+            per_pos += f"; rounds with 0..{r['k']} drafts: {used} ({r['rest_rounds']} of the 0 rests"
+            per_pos += f", {r['tree_rounds']} of the {r['k']} trees)" if r.get("tree") else ")"
         lines.append(
             f"| {impl} | {r['batch']} | {r['k']} | {r['tokens_per_second']:.1f} | {number(r['prefill_ms'], '.1f')} "
             f"| {number(r['ms_per_round'], '.1f')} | {number(r.get('round_over_plain'), '.2f')} "

@@ -61,11 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-mtp", action="store_true", help="plain decoding through the same loop (k = 0)")
     add_tree_arguments(parser)
-    parser.add_argument("--adaptive", action="store_true", help="each round drafts 0..K tokens (K = --num-draft), "
-                        "chosen on device from running acceptance and --round-costs")  # fmt: skip
+    parser.add_argument("--adaptive", action="store_true", help="each round drafts 0..K tokens (K = --num-draft) "
+                        "or, with --tree, a draft tree, chosen on device from running acceptance and "
+                        "--round-costs")  # fmt: skip
     parser.add_argument("--round-costs", type=float_list, metavar="C0,...,CK", help="with --adaptive: time of a "
-                        "round with 0..K drafts over a plain step, as python -m mtp_jax.bench measures them "
-                        "(default: estimated from parameter bytes, right for memory-bound accelerators)")  # fmt: skip
+                        "round with 0..K drafts (then, with --tree, a tree round) over a plain step, as python -m "
+                        "mtp_jax.bench measures them (default: estimated from parameter bytes, right for "
+                        "memory-bound accelerators)")  # fmt: skip
     parser.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=DecodeConfig.invariant,
                         help="batch-invariant numerics: each row's tokens the same at any batch size, and greedy MTP "
                         "equal to plain decoding in bfloat16 too")  # fmt: skip
@@ -232,7 +234,8 @@ def default_decode_config(args, model, cfg: DecodeConfig, batch: tuple) -> Decod
         return cfg
     invariant = cfg.invariant or has_int8_activations(model)  # as `speculative.generate` decodes it
     max_draft = args.num_draft if args.adaptive else None
-    drafting = default_drafting.choose(model, *batch, invariant, max_draft, adaptive=args.adaptive)
+    tree = (cfg.tree, cfg.tree_width)
+    drafting = default_drafting.choose(model, *batch, invariant, max_draft, adaptive=args.adaptive, tree=tree)
     args.drafting = drafting.reason
     return default_drafting.apply(cfg, drafting)
 

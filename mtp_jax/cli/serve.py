@@ -70,9 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-draft", type=non_negative_int, help="drafts per round (default: the drafting that "
                         "pays on this device, as decode chooses it)")  # fmt: skip
     parser.add_argument("--no-mtp", action="store_true", help="plain decoding (k = 0)")
-    parser.add_argument("--adaptive", action="store_true", help="each round drafts 0..K tokens (K = --num-draft)")
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="each round drafts 0..K tokens (K = --num-draft) or, with --tree, a draft tree",
+    )
     parser.add_argument("--round-costs", type=float_list, metavar="C0,...,CK", help="with --adaptive: time of a "
-                        "round with 0..K drafts over a plain step")  # fmt: skip
+                        "round with 0..K drafts (then, with --tree, a tree round) over a plain step")  # fmt: skip
     add_tree_arguments(parser)
     parser.add_argument("--warm", choices=("none", "greedy", "all"), default="none",
                         help="compile at start every program requests can run (each prompt-width bucket, for greedy "
@@ -200,7 +204,8 @@ def describe_drafting(cfg: DecodeConfig) -> str:
     if cfg.num_draft == 0:
         return "no drafts"
     if cfg.tree:
-        return f"a draft tree of {cfg.tree} nodes, depth {cfg.num_draft}"
+        tree = f"a draft tree of {cfg.tree} nodes, depth {cfg.num_draft}"
+        return f"adaptive drafting among chains and {tree}" if cfg.adaptive else tree
     return f"adaptive drafting, up to {cfg.num_draft} a round" if cfg.adaptive else f"{cfg.num_draft} drafts a round"
 
 

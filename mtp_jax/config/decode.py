@@ -15,10 +15,11 @@ class DecodeConfig:
     temperature / top_k / top_p: defaults for every row; per-row arrays passed to `generate` override them.
     stop_on_eos: stop a row at the model's EOS ids (a checkpoint without one decodes to max_new_tokens).
     adaptive: each round drafts j <= num_draft tokens, j chosen on device from running acceptance and
-      `round_costs` (mtp_jax.decode.adaptive); num_draft is then the most a round may draft.
+      `round_costs` (mtp_jax.decode.adaptive); num_draft is then the most a round may draft. With `tree`, a round
+      may also be a draft tree's (of depth num_draft), chosen the same way from the tree's own acceptance.
     round_costs: time of a round with j = 0..num_draft drafts over a plain round, j = 0 being a probe over an MTP
-      block that rests filled (measured, e.g. by `python -m mtp_jax.bench`); None estimates them from parameter
-      bytes (right for memory-bound devices).
+      block that rests filled, then, with `tree`, a tree round's (measured, e.g. by `python -m mtp_jax.bench`);
+      None estimates them from parameter bytes (right for memory-bound devices).
     invariant: batch-invariant numerics: each row's tokens the same whatever else shares its passes (other rows,
       their lengths, a verify block's other positions), so greedy MTP equals plain decoding in bfloat16 too, at any
       batch size (models/cache_attention.py: `attend_written_cache`; caches are sized in whole attention chunks;
@@ -30,7 +31,7 @@ class DecodeConfig:
       depth, the `tree_width` best nodes by path probability, down to depth D = num_draft (the longest path a round
       can accept, as a chain's k; `tree_depth`), and the trunk verifies the N best nodes of all it proposed in one
       pass (mtp_jax.decode.tree).
-    tree_width: W, the nodes expanded at each depth and the children each expansion proposes.
+    tree_width: W, the nodes expanded at each depth (each proposes up to N children, the root too).
     """
 
     num_draft: int = 3
@@ -60,8 +61,10 @@ class DecodeConfig:
             self._check_tree()
         if self.round_costs is not None:
             costs, k = tuple(self.round_costs), self.num_draft
-            if len(costs) != k + 1 or not all(math.isfinite(c) and c > 0 for c in costs):
-                raise ValueError(f"round_costs needs {k + 1} positive numbers (j = 0..{k}), got {costs}")
+            wanted = k + 1 + (1 if self.tree else 0)
+            if len(costs) != wanted or not all(math.isfinite(c) and c > 0 for c in costs):
+                what = f"j = 0..{k}" + (", then the tree's round" if self.tree else "")
+                raise ValueError(f"round_costs needs {wanted} positive numbers ({what}), got {costs}")
 
     def _check_tree(self):
         depth, width = self.num_draft, self.tree_width
@@ -69,13 +72,8 @@ class DecodeConfig:
             raise ValueError(f"a draft tree needs tree >= 0 and tree_width >= 1, got {self.tree} and {width}")
         if depth < 1:
             raise ValueError(f"a draft tree needs a depth (num_draft) >= 1, got {depth}")
-        if not depth <= self.tree <= tree_candidates(depth, width):
-            raise ValueError(
-                f"a tree of depth {depth} and width {width} holds {depth} to {tree_candidates(depth, width)} nodes, "
-                f"not {self.tree}"
-            )
-        if self.adaptive:
-            raise ValueError("adaptive decoding chooses among chains; it does not draft trees")
+        if self.tree < depth:
+            raise ValueError(f"a tree of depth {depth} holds at least {depth} nodes, not {self.tree}")
 
     @property
     def tree_depth(self) -> int:
@@ -89,9 +87,3 @@ class DecodeConfig:
         if not self.tree:
             return self.num_draft + 1
         return max(self.tree, (self.num_draft - 1) * self.tree_width) + 1
-
-
-def tree_candidates(depth: int, width: int) -> int:
-    """The nodes a tree of `depth` and `width` proposes before the best are kept: `width` children of the root,
-    then `width` children of each of the `width` nodes expanded at every further depth."""
-    return width + (depth - 1) * width * width

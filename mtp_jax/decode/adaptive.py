@@ -6,6 +6,10 @@ average (the bonus included) and costs c(j) plain steps; the policy picks argmax
 the loop rests: plain steps that skip the MTP layer (their hiddens queue in the MTP block), with a probe through the
 MTP layer once the block is full, so a head that does not pay costs a fraction of the MTP layer, not all of it.
 Any round keeps the output exact (each is a complete speculative step), so the choice only moves speed.
+
+With a draft tree (DecodeConfig.tree), a tree round of depth k is one more choice: its conditional acceptance per
+depth is tracked apart from the chain's (the tree offers several guesses a depth), its cost is the last entry of
+the round costs, and it is taken where its expected tokens per unit of time are the best.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ MARGIN = 0.05  # drafting must beat resting by this fraction: near break-even it
 # the noise of a running estimate (one row judges one draft per depth a round) makes its wrong calls cost
 REST_ROUNDS = 12  # the MTP block of an adaptive loop holds this many slots more than k + 1, for rests
 LONGEST_REST = 256  # the most rests that slide the MTP block between two probes (RestSchedule)
+TREE_GUESSES = 2  # before a tree is measured, it is taken to offer this many independent guesses of the chain's
+# acceptance at each depth: optimistic (measured, N = 16: 0.44 -> 0.61 at depth 1, where two guesses give 0.69), so
+# a tree that might pay gets tried; its own counts then take over
 
 
 def probe_cycle(max_draft: int) -> int:
@@ -31,28 +38,42 @@ def probe_cycle(max_draft: int) -> int:
 
 @struct.dataclass
 class AcceptanceTracker:
-    """Decayed counts per depth over active rows. hits [k]: drafts accepted; trials [k]: drafts judged."""
+    """Decayed counts per depth over active rows, of chain rounds and of tree rounds apart. hits [k]: drafts (a
+    tree's: path nodes) accepted; trials [k]: judged."""
 
     hits: jax.Array
     trials: jax.Array
+    tree_hits: jax.Array
+    tree_trials: jax.Array
 
     @classmethod
     def start(cls, max_draft: int) -> AcceptanceTracker:
-        return cls(hits=jnp.zeros((max_draft,), jnp.float32), trials=jnp.zeros((max_draft,), jnp.float32))
+        zeros = jnp.zeros((max_draft,), jnp.float32)
+        return cls(hits=zeros, trials=zeros, tree_hits=zeros, tree_trials=zeros)
 
     def rates(self) -> jax.Array:
-        """Estimated conditional acceptance per depth [k]. Each depth's prior is the estimate of the depth before
-        it (conditional acceptance rarely falls with depth), so a depth not drafted yet looks as good as the last
-        one measured and gets tried, instead of staying at a pessimistic prior forever."""
+        """Estimated conditional acceptance of a chain per depth [k]. Each depth's prior is the estimate of the
+        depth before it (conditional acceptance rarely falls with depth), so a depth not drafted yet looks as good
+        as the last one measured and gets tried, instead of staying at a pessimistic prior forever."""
         rates, prior = [], jnp.float32(PRIOR_RATE)
         for depth in range(self.hits.shape[0]):
             prior = (self.hits[depth] + prior * PRIOR_WEIGHT) / (self.trials[depth] + PRIOR_WEIGHT)
             rates.append(prior)
         return jnp.stack(rates)
 
-    def update(self, hits: jax.Array, trials: jax.Array) -> AcceptanceTracker:
-        """Add this round's counts [k]; depths not judged this round keep their estimate (both counts decay)."""
-        return AcceptanceTracker(hits=DECAY * self.hits + hits, trials=DECAY * self.trials + trials)
+    def tree_rates(self) -> jax.Array:
+        """Estimated conditional acceptance of a tree per depth [k]: its own counts, over a prior of TREE_GUESSES
+        guesses at the chain's current rate (so an unmeasured tree, or one not run for a while, moves with the
+        chain's estimate)."""
+        prior = 1.0 - (1.0 - self.rates()) ** TREE_GUESSES
+        return (self.tree_hits + prior * PRIOR_WEIGHT) / (self.tree_trials + PRIOR_WEIGHT)
+
+    def update(self, hits: jax.Array, trials: jax.Array, tree: bool = False) -> AcceptanceTracker:
+        """Add a round's counts [k] (a tree round's with `tree`); depths not judged keep their estimate (both
+        counts decay)."""
+        if tree:
+            return self.replace(tree_hits=DECAY * self.tree_hits + hits, tree_trials=DECAY * self.tree_trials + trials)
+        return self.replace(hits=DECAY * self.hits + hits, trials=DECAY * self.trials + trials)
 
 
 @struct.dataclass
@@ -94,19 +115,24 @@ def expected_tokens(rates: jax.Array) -> jax.Array:
 
 
 def choose_round(tracker: AcceptanceTracker, round_costs: jax.Array, can_rest: jax.Array) -> jax.Array:
-    """The next round, int32 [] in 0..k+1: j in 1..k drafts when that gives the most tokens per unit of time and
-    beats resting by MARGIN; otherwise k+1, a rest (a plain step that leaves the MTP layer alone), while `can_rest`
+    """The next round, int32 [] in 0..R (k = the most drafts; R = k + 1, or k + 2 with a tree round, whose cost is
+    round_costs[k + 1]): j in 1..k drafts, or k + 1 a tree, when that gives the most tokens per unit of time and
+    beats resting by MARGIN; otherwise R, a rest (a plain step that leaves the MTP layer alone), while `can_rest`
     (the MTP block has room, or RestSchedule allows sliding it), and 0 when not: a probe, a plain step that runs the
     MTP layer over the rested tokens and scores its first draft, which keeps the acceptance estimate current.
 
     A rest costs one plain step and a probe round_costs[0] (>= 1); resting is valued at one probe per
     `probe_cycle` rounds, its dearest (RestSchedule probes more rarely as resting goes on)."""
-    value = expected_tokens(tracker.rates()) / round_costs  # [k+1] tokens per plain step of time
+    max_draft = tracker.hits.shape[0]
+    tokens = expected_tokens(tracker.rates())  # [k+1]
+    if round_costs.shape[0] > max_draft + 1:  # a tree of depth k
+        tokens = jnp.concatenate([tokens, expected_tokens(tracker.tree_rates())[-1:]])
+    value = tokens / round_costs  # [R] tokens per plain step of time
     best = jnp.argmax(value[1:]) + 1
-    max_draft = round_costs.shape[0] - 1
     resting = rest_value(round_costs[0], max_draft)
     drafting_pays = value[best] > resting * (1.0 + MARGIN)
-    return jnp.where(drafting_pays, best, jnp.where(can_rest, max_draft + 1, 0)).astype(jnp.int32)
+    rest = round_costs.shape[0]
+    return jnp.where(drafting_pays, best, jnp.where(can_rest, rest, 0)).astype(jnp.int32)
 
 
 def rest_value(probe_cost, max_draft: int):
@@ -116,21 +142,24 @@ def rest_value(probe_cost, max_draft: int):
     return 1.0 / (1.0 + (extra + abs(extra)) / (2 * probe_cycle(max_draft)))  # max(extra, 0), floats and arrays
 
 
-def drafting_can_pay(round_costs: tuple[float, ...]) -> bool:
-    """Whether any j >= 1 drafts could beat resting were every draft accepted ((j + 1) / c_j tokens per plain step).
-    Where none can (a compute-bound device at a large batch), the policy would only ever rest and probe, so adaptive
-    decoding is plain decoding, without the probes."""
-    best = max((j + 1) / cost for j, cost in enumerate(round_costs) if j > 0)
-    return best > rest_value(round_costs[0], len(round_costs) - 1) * (1.0 + MARGIN)
+def drafting_can_pay(round_costs: tuple[float, ...], max_draft: int) -> bool:
+    """Whether any j >= 1 drafts (or the tree of depth k = max_draft, the entry after j = k) could beat resting were
+    every draft accepted ((j + 1) / c_j tokens per plain step). Where none can (a compute-bound device at a large
+    batch), the policy would only ever rest and probe, so adaptive decoding is plain decoding, without the probes."""
+    best = max((min(j, max_draft) + 1) / cost for j, cost in enumerate(round_costs) if j > 0)
+    return best > rest_value(round_costs[0], max_draft) * (1.0 + MARGIN)
 
 
-def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int) -> tuple[float, ...]:
-    """Costs of rounds with j = 0..k drafts in plain steps, for a memory-bound device: a verify pass reads the
-    trunk once whatever its length, a draft step reads the MTP layer and the draft head. A probe (j = 0) still
-    extends the MTP cache and makes one draft (to keep measuring acceptance), so it costs one draft step too.
-    Compute-bound settings (CPU, large batches) should pass measured costs instead (`python -m mtp_jax.bench`)."""
+def estimated_round_costs(trunk_bytes: int, draft_bytes: int, max_draft: int, tree: bool = False) -> tuple[float, ...]:
+    """Costs of rounds with j = 0..k drafts in plain steps (then, with `tree`, a tree round of depth k's), for a
+    memory-bound device: a verify pass reads the trunk once whatever its length (a tree's N + 1 rows too), a draft
+    step reads the MTP layer and the draft head (a tree's k passes, each over all the nodes it expands, as many).
+    A probe (j = 0) still extends the MTP cache and makes one draft (to keep measuring acceptance), so it costs one
+    draft step too. Compute-bound settings (CPU, large batches) should pass measured costs instead
+    (`python -m mtp_jax.bench`)."""
     step = draft_bytes / trunk_bytes
-    return tuple(1.0 + max(j, 1) * step for j in range(max_draft + 1))
+    chain = tuple(1.0 + max(j, 1) * step for j in range(max_draft + 1))
+    return (*chain, chain[-1]) if tree else chain
 
 
 def step_param_bytes(model) -> tuple[int, int]:

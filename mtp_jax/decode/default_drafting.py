@@ -59,9 +59,10 @@ class Drafting:
 
 
 def choose(model, prompt_ids, prompt_lens, invariant: bool = False, max_draft: int | None = None,
-           adaptive: bool = False) -> Drafting:  # fmt: skip
+           adaptive: bool = False, tree: tuple[int, int] = (0, 4)) -> Drafting:  # fmt: skip
     """The default drafting for `model` decoding a batch like `prompt_ids` [B, W] (lens [B]) here. `max_draft`:
-    the most drafts a round, where the user named it; `adaptive`: the user asked for adaptive drafting."""
+    the most drafts a round, where the user named it; `adaptive`: the user asked for adaptive drafting, among
+    chains and, with `tree` = (N, W) a node budget and width, that draft tree's rounds."""
     if not model.config.has_mtp:
         return Drafting(0, False, None, "plain decoding: the model has no MTP head")
     platform = jax.default_backend()
@@ -72,10 +73,11 @@ def choose(model, prompt_ids, prompt_lens, invariant: bool = False, max_draft: i
     k = max_draft or DEFAULT_DRAFTS["cpu" if platform == "cpu" else "other"]
     here = "this CPU" if platform == "cpu" else f"this {platform.upper()} (a mixture of experts: a round's cost timed)"
     if adaptive:
-        costs, when = measured(model, prompt_ids, prompt_lens, k, invariant, "adaptive")
-        shown = ", ".join(f"{c:.2f}" for c in costs["costs"])
+        costs, when = measured(model, prompt_ids, prompt_lens, k, invariant, "adaptive", tree)
+        shown = ", ".join(f"{c:.2f}" for c in costs["costs"][: k + 1])
+        tree_cost = f", a tree of {tree[0]} nodes {costs['costs'][-1]:.2f}" if tree[0] else ""
         return Drafting(k, True, tuple(costs["costs"]), f"adaptive drafting, up to {k} a round: rounds with "
-                        f"0..{k} drafts cost {shown} plain steps on {here} ({when})")  # fmt: skip
+                        f"0..{k} drafts cost {shown}{tree_cost} plain steps on {here} ({when})")  # fmt: skip
     found, when = measured(model, prompt_ids, prompt_lens, k, invariant, "fixed")
     costs, rates = np.asarray(found["costs"]), acceptance(found["judged"], found["accepted"])
     value = np.asarray(expected_tokens(rates)) / costs  # tokens per plain step's time, k = 0..max
@@ -101,11 +103,13 @@ def apply(cfg: DecodeConfig, drafting: Drafting) -> DecodeConfig:
     )
 
 
-def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, kind: str) -> tuple[dict, str]:
+def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, kind: str,
+             tree: tuple[int, int] = (0, 4)) -> tuple[dict, str]:  # fmt: skip
     """({"costs": [...], "acceptance": [...]} for this model here, and when it was measured): rounds of a fixed-k
-    loop ("fixed") or an adaptive loop's round costs ("adaptive"), timed once, then read from the cache file."""
+    loop ("fixed") or an adaptive loop's round costs ("adaptive"; with `tree` = (N, W) a node budget, its tree
+    round's last), timed once, then read from the cache file."""
     batch = int(np.shape(prompt_ids)[0])
-    key = _costs_key(model, batch, max_draft, invariant, kind)
+    key = _costs_key(model, batch, max_draft, invariant, kind + (f"/tree {tree[0]}x{tree[1]}" if tree[0] else ""))
     path = costs_path()
     known = _read(path)
     if key in known:
@@ -115,9 +119,9 @@ def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, ki
     timer = RoundTimer(model, prompt_ids, prompt_lens, TIMED_TOKENS, invariant=invariant, iterations=ITERATIONS,
                        repeats=2)  # fmt: skip
     if kind == "adaptive":
-        found = {"costs": list(timer.adaptive_costs(max_draft))}
-        if not drafting_can_pay(tuple(found["costs"])):
-            found["costs"] = [1.0] * (max_draft + 1)  # no draft can pay: the loop compiles to plain decoding
+        found = {"costs": list(timer.adaptive_costs(max_draft, *tree))}
+        if not drafting_can_pay(tuple(found["costs"]), max_draft):
+            found["costs"] = [1.0] * len(found["costs"])  # no draft can pay: the loop compiles to plain decoding
     else:
         costs, judged, accepted = timer.fixed_rounds(max_draft)
         found = {"costs": list(costs), "judged": list(judged), "accepted": list(accepted)}

@@ -31,6 +31,7 @@ class DecodeStats:
     accepted_at: jax.Array  # [k] row-rounds in which draft i was accepted
     rounds_with: jax.Array  # [k+1] loop iterations that drafted j = 0..k tokens
     rests: jax.Array  # [] loop iterations that skipped the MTP layer of a drafting loop (counted in rounds_with[0])
+    tree_rounds: jax.Array  # [] loop iterations that verified a draft tree (counted in rounds_with[k])
 
     @classmethod
     def zeros(cls, max_draft: int) -> DecodeStats:
@@ -45,6 +46,7 @@ class DecodeStats:
             accepted_at=jnp.zeros((max_draft,), jnp.int32),
             rounds_with=jnp.zeros((max_draft + 1,), jnp.int32),
             rests=scalar,
+            tree_rounds=scalar,
         )
 
 

@@ -25,6 +25,7 @@ from mtp_jax.decode.adaptive import probe_cycle, step_param_bytes
 from mtp_jax.decode.loop_state import mtp_block_width
 from mtp_jax.decode.prefill import prefill
 from mtp_jax.decode.rounds import Round, RoundKind, draft, round_context, run_round, verify
+from mtp_jax.decode.tree import run_tree_round
 from mtp_jax.models.kv_cache import cache_slots
 
 
@@ -58,14 +59,15 @@ def timed_round(cfg: DecodeConfig, num_draft: int) -> Round:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "part", "num_draft", "iterations"))
 def repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
-    """`part` of a round with `num_draft` drafts ("round", "verify", "draft", or an adaptive loop's resting "cycle")
-    run `iterations` times from `state`, carrying what it updates (the state, or the trunk or MTP cache)."""
+    """`part` of a round with `num_draft` drafts ("round", "verify", "draft", or an adaptive loop's resting "cycle"),
+    or cfg's draft tree's whole round ("tree"), run `iterations` times from `state`, carrying what it updates (the
+    state, or the trunk or MTP cache)."""
     model = nnx.merge(graphdef, params)
     eos = jnp.zeros((0,), jnp.int32)
-    timed = timed_round(cfg, num_draft)
+    timed = Round(RoundKind.TREE, cfg.num_draft, cfg.tree) if part == "tree" else timed_round(cfg, num_draft)
     ctx = round_context(model, cfg, None, eos, [timed])
-    step = functools.partial(run_round, ctx, timed)
-    if part == "round":
+    step = functools.partial(run_tree_round if part == "tree" else run_round, ctx, timed)
+    if part in ("round", "tree"):
         return jax.lax.fori_loop(0, iterations, lambda _, s: step(s), state)
     if part == "cycle":  # an adaptive loop at rest: rests until its MTP block is full, then a probe (step, j = 0)
         rest_step = functools.partial(run_round, ctx, Round(RoundKind.REST))
@@ -104,12 +106,14 @@ class RoundTimer:
             self._states[cfg] = prefilled_state(self.graphdef, self.params, self.ids, self.lens, cfg, slots)
         return self._states[cfg]
 
-    def _part(self, part: str, max_draft: int, num_draft: int, adaptive: bool = False) -> tuple:
-        """A compiled, warmed-up call running `part` ("round", "verify", "draft", or an adaptive loop's resting
-        "cycle") with `num_draft` drafts, in a loop whose most drafts are `max_draft` (adaptive: with its wider MTP
-        block); and the number of rounds the call runs: `iterations`, or that many cycles' rounds."""
+    def _part(self, part: str, max_draft: int, num_draft: int, adaptive: bool = False, tree: int = 0,
+              tree_width: int = 4) -> tuple:  # fmt: skip
+        """A compiled, warmed-up call running `part` ("round", "verify", "draft", an adaptive loop's resting "cycle",
+        or a "tree" round) with `num_draft` drafts, in a loop whose most drafts are `max_draft` (adaptive: with its
+        wider MTP block; `tree`, `tree_width`: with that draft tree's); and the number of rounds the call runs:
+        `iterations`, or that many cycles' rounds."""
         cfg = DecodeConfig(num_draft=max_draft, max_new_tokens=self.max_new_tokens, stop_on_eos=False,
-                           adaptive=adaptive, invariant=self.invariant)  # fmt: skip
+                           adaptive=adaptive, invariant=self.invariant, tree=tree, tree_width=tree_width)  # fmt: skip
         iterations = max(1, self.iterations // mtp_block_width(cfg)) if part == "cycle" else self.iterations
         state = self._state(cfg)
         run = functools.partial(repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, iterations)
@@ -147,20 +151,26 @@ class RoundTimer:
         judged, accepted = (tuple(int(n) for n in counts) for counts in (stats.reached, stats.accepted_at))
         return tuple(float(c) for c in costs), judged, accepted
 
-    def adaptive_costs(self, max_draft: int) -> tuple[float, ...]:
+    def adaptive_costs(self, max_draft: int, tree: int = 0, tree_width: int = 4) -> tuple[float, ...]:
         """An adaptive loop's `round_costs`, over a plain loop's round (timed in the same sweeps): rounds with j =
         1..max_draft drafts as the loop runs them (right after a probe or a drafting round, so over a narrow MTP
         block), and for j = 0 the probe as it comes while resting: after rests filled the block, so catching the MTP
-        layer up over all of it. The probe's cost is read off a whole resting cycle (C - 1 rests and the probe, C =
-        the block width) less C - 1 plain steps, so whatever rests cost beyond a plain step is charged to it and
-        `rest_value` gets the cycle's time exactly. A drafting round does all the work of one with fewer drafts, so
-        timing noise that says otherwise is evened out: each cost is at least 1 and j >= 1 at least the one before."""
-        drafting_parts = [("round", max_draft, j, True) for j in range(1, max_draft + 1)]
-        plain, cycle, *rounds = self.milliseconds([("round", 0, 0), ("cycle", max_draft, 0, True), *drafting_parts])
+        layer up over all of it; with a `tree` budget, then its round (`tree_width` wide, max_draft deep). The
+        probe's cost is read off a whole resting cycle (C - 1 rests and the probe, C = the block width) less C - 1
+        plain steps, so whatever rests cost beyond a plain step is charged to it and `rest_value` gets the cycle's
+        time exactly. A drafting round does all the work of one with fewer drafts, so timing noise that says
+        otherwise is evened out: each cost is at least 1 and j >= 1 at least the one before (the tree's at least
+        1)."""
+        loop = (True, tree, tree_width)  # every adaptive part in the loop's own shapes
+        drafting_parts = [("round", max_draft, j, *loop) for j in range(1, max_draft + 1)]
+        tree_parts = [("tree", max_draft, max_draft, *loop)] if tree else []
+        plain, cycle, *rounds = self.milliseconds([("round", 0, 0), ("cycle", max_draft, 0, *loop), *drafting_parts,
+                                                   *tree_parts])  # fmt: skip
         width = probe_cycle(max_draft)
         probe = max(width * cycle / plain - (width - 1), 1.0)
-        drafting = np.maximum.accumulate(np.maximum(np.asarray(rounds) / plain, 1.0))
-        return (float(probe), *(float(c) for c in drafting))
+        drafting = np.maximum.accumulate(np.maximum(np.asarray(rounds[:max_draft]) / plain, 1.0))
+        trees = [max(rounds[-1] / plain, 1.0)] if tree else []
+        return (float(probe), *(float(c) for c in drafting), *(float(c) for c in trees))
 
 
 def plain_step_bytes(model, batch: int, slots: int) -> int:

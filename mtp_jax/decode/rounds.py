@@ -262,6 +262,7 @@ def record(
         accepted_at=s.stats.accepted_at + jnp.sum(passed, axis=0),
         rounds_with=s.stats.rounds_with.at[j].add(1),
         rests=s.stats.rests + int(skips_mtp),
+        tree_rounds=s.stats.tree_rounds + int(round_.kind is RoundKind.TREE),
     )
     state = state.replace(stats=stats)
     if s.adaptive is None or round_.kind is RoundKind.PLAIN:
@@ -272,7 +273,8 @@ def record(
     else:
         schedule = schedule.after_probe(s.block.width) if j == 0 else schedule.after_draft()
         hits, trials = observed_acceptance(round_, s, drafts, verdict, judged, passed)
-        tracker = tracker.update(hits.astype(jnp.float32), trials.astype(jnp.float32))
+        tree = round_.kind is RoundKind.TREE
+        tracker = tracker.update(hits.astype(jnp.float32), trials.astype(jnp.float32), tree=tree)
     return state.replace(adaptive=AdaptiveState(tracker=tracker, schedule=schedule))
 
 

@@ -1,15 +1,15 @@
 """`generate`: MTP self-speculative decoding as one jitted `lax.while_loop` over fixed shapes.
 
-The loop starts from the prefill's state (prefill.py) and runs rounds (rounds.py: draft -> verify ->
-commit -> record) until every row is done. With a fixed k = num_draft every round drafts k tokens; k = 0 is plain
-decoding through the same code.
+The loop starts from the prefill's state (prefill.py) and runs rounds (rounds.py: draft -> verify -> commit -> record)
+until every row is done. With a fixed k = num_draft every round drafts k tokens; k = 0 is plain decoding through the
+same code.
 
-Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k and a rest, and moves between them on device
-(adaptive.py picks; `_adaptive_body`). A round with j = 0 (a probe) still runs the MTP layer, to score a draft;
-a rest is a plain step that skips the MTP layer and appends its hidden and token to the MTP block, which for adaptive
-decoding has REST_ROUNDS spare slots; the next round with MTP catches the MTP cache up over all of them. Long rests
-slide the block instead (mtp_jax.decode.adaptive.RestSchedule): the MTP cache then skips the dropped positions, and the
-block's `visible_from` hides everything before it from the MTP layer's attention.
+Adaptive decoding (cfg.adaptive) compiles a round for every j = 0..k, a draft tree's round where cfg.tree names one, and
+a rest, and moves between them on device (adaptive.py picks; `_adaptive_body`). A round with j = 0 (a probe) still runs
+the MTP layer, to score a draft; a rest is a plain step that skips the MTP layer and appends its hidden and token to the
+MTP block, which for adaptive decoding has REST_ROUNDS spare slots; the next round with MTP catches the MTP cache up
+over all of them. Long rests slide the block instead (mtp_jax.decode.adaptive.RestSchedule): the MTP cache then skips
+the dropped positions, and the block's `visible_from` hides everything before it from the MTP layer's attention.
 """
 
 from __future__ import annotations
@@ -61,22 +61,29 @@ def _round_body(model, cfg: DecodeConfig, sampling, eos, keep_going):
     """The while-loop body: a round with cfg.num_draft drafts, a draft tree's round (cfg.tree), or, adaptive, the
     rounds the policy picks while `keep_going` (state -> bool) holds. Where the round costs say no draft can pay,
     adaptive decoding is plain decoding."""
-    if cfg.tree:
-        round_ = Round(RoundKind.TREE, cfg.num_draft, cfg.tree)
-        return functools.partial(run_tree_round, round_context(model, cfg, sampling, eos, [round_]), round_)
-    round_ = Round(RoundKind.DRAFT, cfg.num_draft) if cfg.num_draft else Round(RoundKind.PLAIN)
     if cfg.adaptive and cfg.num_draft:
-        costs = cfg.round_costs or _estimated_costs(model, cfg.num_draft)
-        if drafting_can_pay(costs):
+        costs = cfg.round_costs or _estimated_costs(model, cfg)
+        if drafting_can_pay(costs, cfg.num_draft):
             return _adaptive_body(model, cfg, sampling, eos, jnp.asarray(costs, jnp.float32), keep_going)
         round_ = Round(RoundKind.PLAIN)
-    return functools.partial(run_round, round_context(model, cfg, sampling, eos, [round_]), round_)
+    elif cfg.tree:
+        round_ = Round(RoundKind.TREE, cfg.num_draft, cfg.tree)
+    else:
+        round_ = Round(RoundKind.DRAFT, cfg.num_draft) if cfg.num_draft else Round(RoundKind.PLAIN)
+    return _runner(round_context(model, cfg, sampling, eos, [round_]), round_)
+
+
+def _runner(ctx, round_: Round):
+    """One round of kind `round_` as a loop body (state -> state)."""
+    run = run_tree_round if round_.kind is RoundKind.TREE else run_round
+    return functools.partial(run, ctx, round_)
 
 
 def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array, keep_going):
-    """The rounds `choose_round` picks (index c: a probe for 0, c drafts for 1..k, a rest for k + 1), a rest only
-    while every active row's MTP block has room or the rest schedule lets it slide, while `keep_going` holds (the
-    caller's own loop condition: its loop then stops as soon as that turns false, not after this body's rounds).
+    """The rounds `choose_round` picks (index c: a probe for 0, c drafts for 1..k, with cfg.tree a tree for k + 1,
+    a rest last), a rest only while every active row's MTP block has room or the rest schedule lets it slide, while
+    `keep_going` holds (the caller's own loop condition: its loop then stops as soon as that turns false, not after
+    this body's rounds).
 
     The body is a sequence of inner while-loops, one per kind of round, each running while the policy picks its
     kind, rather than a `lax.switch` between the kinds: a branch of a conditional may not update its operands in
@@ -84,7 +91,8 @@ def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array, ke
     Each pass of the body runs at least one round where `keep_going` holds (the loop whose kind is picked runs), so
     the outer loop ends."""
     drafting = [Round(RoundKind.DRAFT, j) for j in range(1, cfg.num_draft + 1)]
-    rounds = [Round(RoundKind.PROBE), *drafting, Round(RoundKind.REST)]
+    tree = [Round(RoundKind.TREE, cfg.num_draft, cfg.tree)] if cfg.tree else []
+    rounds = [Round(RoundKind.PROBE), *drafting, *tree, Round(RoundKind.REST)]
     ctx = round_context(model, cfg, sampling, eos, rounds)  # the draft head gathered once for every kind of round
 
     def picks(choice: int):
@@ -97,15 +105,15 @@ def _adaptive_body(model, cfg: DecodeConfig, sampling, eos, costs: jax.Array, ke
 
     def body(s: LoopState) -> LoopState:
         for choice, round_ in enumerate(rounds):
-            s = jax.lax.while_loop(picks(choice), functools.partial(run_round, ctx, round_), s)
+            s = jax.lax.while_loop(picks(choice), _runner(ctx, round_), s)
         return s
 
     return body
 
 
-def _estimated_costs(model: CausalLM, max_draft: int) -> tuple[float, ...]:
+def _estimated_costs(model: CausalLM, cfg: DecodeConfig) -> tuple[float, ...]:
     trunk_bytes, draft_bytes = step_param_bytes(model)
-    return estimated_round_costs(trunk_bytes, draft_bytes, max_draft)
+    return estimated_round_costs(trunk_bytes, draft_bytes, cfg.num_draft, tree=bool(cfg.tree))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "greedy"))

@@ -44,6 +44,7 @@ def summarize(
         "mean_accepted_depth": float(counters["accepted"]) / row_rounds,  # drafts accepted per verify round
         "rounds_by_num_draft": [int(n) for n in counters["rounds_with"]],  # loop rounds that drafted j = 0..k
         "rest_rounds": int(counters["rests"]),  # adaptive: rounds of the above with j = 0 that skipped the MTP layer
+        "tree_rounds": int(counters["tree_rounds"]),  # rounds of the above with j = k that verified a draft tree
         "tokens_per_second": generated_tokens / wall if wall > 0 else 0.0,
         "wall_seconds": wall,
         "compile_seconds": compile_seconds,

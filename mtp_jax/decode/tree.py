@@ -3,13 +3,16 @@
 A tree of depth D (cfg.num_draft), width W (cfg.tree_width) and node budget N (cfg.tree), for a row whose pending
 token x_n sits at position n (the root):
   1. draft: the MTP layer catches its cache up over the MTP block (as a chain's round does), and the root's draft
-     distribution proposes its W likeliest tokens, the depth-1 candidates. Each further depth expands the W best
+     distribution proposes its C = min(N, draft vocabulary) likeliest tokens, the depth-1 candidates (a child
+     ranked past N among its siblings could never be among the N best). Each further depth expands the W best
      candidates of the depth before (by path probability: the product of the draft probabilities along the path),
      in one MTP pass over every expanded node so far (W, 2W, ... (D-1)W rows): a node at position n + its depth - 1,
      attending to the MTP cache before n and to its own ancestors (a block mask); the last W rows each propose their
-     W likeliest children. Of the W + (D-1)W^2 candidates the N with the best path probability are kept (EAGLE-2's
-     dynamic tree). A child's path probability is at most its parent's, so a kept node's parent is kept too; the
-     tree's shape is read off the parents either way.
+     C likeliest children. Of the C + (D-1)WC candidates the N with the best path probability are kept (EAGLE-2's
+     dynamic tree), the chain's D first: the path of each depth's likeliest draft, which a chain of D drafts would
+     verify, is always expanded and kept, so a greedy tree accepts at least what that chain would, even where the
+     head's probabilities are too flat to rank deep nodes above shallow ones. Any other child's path probability is
+     at most its parent's, so a kept node's parent is kept too; the tree's shape is read off the parents either way.
   2. verify: the trunk runs the root and the N nodes (parents before children) in one pass: node i at position
      n + its depth, writing cache slot n + i, attending to the cache before n and to its ancestors.
   3. accept: at every node the target picks a token (greedy: its argmax; sampling: one draw from its distribution,
@@ -49,7 +52,7 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
             "draft trees need an attention-only trunk: a gated DeltaNet trunk's verify pass would carry a state per "
             "node; decode it with a chain (num_draft without tree)"
         )
-    draft_vocab = model.config.mtp.draft_vocab_size or model.config.vocab_size
+    draft_vocab = draft_vocab_size(model)
     if cfg.tree_width > draft_vocab:
         raise ValueError(f"a tree {cfg.tree_width} wide proposes more children than the {draft_vocab} draft tokens")
     if cfg.invariant and model.config.mla is not None:
@@ -63,6 +66,11 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
             "int8 activations) only on one CPU device with the row kernel built (its attention takes the tree's "
             "mask): decode with a chain"
         )
+
+
+def draft_vocab_size(model: CausalLM) -> int:
+    """The tokens the MTP head drafts from (its draft vocabulary, or the whole vocabulary)."""
+    return model.config.mtp.draft_vocab_size or model.config.vocab_size
 
 
 class DraftTree(NamedTuple):
@@ -102,11 +110,14 @@ def draft_tree(ctx: RoundContext, s: LoopState) -> DraftTree:
     depth, width, budget = cfg.num_draft, cfg.tree_width, cfg.tree
     hidden, normed, mtp_cache = catch_up(ctx, s)  # [B, D]
     batch = hidden.shape[0]
-    scores, index = jax.lax.top_k(_draft_log_probs(model, normed, ctx.draft_head), width)  # [B, W]
-    tokens = [model.draft_ids(index)]  # per depth: the candidates' tokens
-    all_scores, parent_ids = [scores], [jnp.full((batch, width), -1, jnp.int32)]  # candidate ids of the parents
-    frontier_ids, frontier_scores = jnp.broadcast_to(jnp.arange(width), (batch, width)), scores
-    rows_hidden, rows_tokens = [jnp.broadcast_to(hidden[:, None], (batch, width, hidden.shape[-1]))], [tokens[0]]
+    children = min(budget, draft_vocab_size(model))  # C: a child ranked past N among its siblings is never kept
+    scores, index = jax.lax.top_k(_draft_log_probs(model, normed, ctx.draft_head), children)  # [B, C]
+    chain = jnp.broadcast_to(jnp.arange(children) == 0, (batch, children))  # [B, C] the first draft: the chain's
+    tokens, all_scores, on_chain = [model.draft_ids(index)], [scores], [chain]  # per depth, the candidates'
+    parent_ids = [jnp.full((batch, children), -1, jnp.int32)]  # the candidate ids of their parents
+    frontier_ids, frontier_scores, frontier_chain = _best(scores, chain, width)  # [B, W] the depth-1 frontier
+    rows_hidden = [jnp.broadcast_to(hidden[:, None], (batch, width, hidden.shape[-1]))]
+    rows_tokens = [jnp.take_along_axis(tokens[0], frontier_ids, axis=1)]
     rows_parent = [jnp.broadcast_to(jnp.arange(width), (batch, width))]  # depth-1 rows: no parent in the block
     for level in range(1, depth):  # expand the depth-`level` frontier
         parent_rows = jnp.concatenate(rows_parent, axis=1)  # [B, level * W]
@@ -119,28 +130,38 @@ def draft_tree(ctx: RoundContext, s: LoopState) -> DraftTree:
             s.block.visible_from,
             ancestry(parent_rows, level),
         )
-        logq, index = jax.lax.top_k(_draft_log_probs(model, out_normed[:, -width:], ctx.draft_head), width)  # [B, W, W]
-        child_scores = (frontier_scores[:, :, None] + logq).reshape(batch, width * width)
-        child_tokens = model.draft_ids(index).reshape(batch, width * width)
+        logq, index = jax.lax.top_k(_draft_log_probs(model, out_normed[:, -width:], ctx.draft_head), children)
+        child_scores = (frontier_scores[:, :, None] + logq).reshape(batch, width * children)  # [B, W * C]
+        child_chain = (frontier_chain[:, :, None] & (jnp.arange(children) == 0)).reshape(batch, width * children)
+        child_tokens = model.draft_ids(index).reshape(batch, width * children)
         tokens.append(child_tokens)
         all_scores.append(child_scores)
-        parent_ids.append(jnp.repeat(frontier_ids, width, axis=1))
+        on_chain.append(child_chain)
+        parent_ids.append(jnp.repeat(frontier_ids, children, axis=1))
         if level + 1 < depth:  # the next frontier: the W best children
-            frontier_scores, pick = jax.lax.top_k(child_scores, width)  # [B, W]
-            first_id = width + (level - 1) * width * width  # the candidate id of this depth's first child
-            frontier_ids = first_id + pick
-            parent_row = pick // width  # [B, W] within the last W rows
+            pick, frontier_scores, frontier_chain = _best(child_scores, child_chain, width)  # [B, W]
+            frontier_ids = children + (level - 1) * width * children + pick  # this depth's first child's id + pick
+            parent_row = pick // children  # [B, W] within the last W rows
             rows_hidden.append(jnp.take_along_axis(out_hidden[:, -width:], parent_row[..., None], axis=1))
             rows_tokens.append(jnp.take_along_axis(child_tokens, pick, axis=1))
             rows_parent.append((level - 1) * width + parent_row)
-    return _kept(jnp.concatenate(tokens, 1), jnp.concatenate(all_scores, 1), jnp.concatenate(parent_ids, 1), budget,
-                 mtp_cache)  # fmt: skip
+    joined = lambda parts: jnp.concatenate(parts, axis=1)
+    return _kept(joined(tokens), joined(all_scores), joined(on_chain), joined(parent_ids), budget, mtp_cache)
 
 
-def _kept(tokens, scores, parent_ids, budget: int, mtp_cache) -> DraftTree:
-    """The `budget` best candidates (tokens, scores, parents' candidate ids [B, C], -1 for the root's children) in
-    candidate order, so parents come before their children; `top_k` prefers the lower id among equal scores."""
-    _, kept = jax.lax.top_k(scores, budget)
+def _best(scores: jax.Array, on_chain: jax.Array, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The `count` best of candidates [B, C] by path score, the chain's first (`on_chain`): (their indices, scores,
+    and chain flags, [B, count] each)."""
+    _, pick = jax.lax.top_k(jnp.where(on_chain, jnp.inf, scores), count)
+    return pick, jnp.take_along_axis(scores, pick, axis=1), jnp.take_along_axis(on_chain, pick, axis=1)
+
+
+def _kept(tokens, scores, on_chain, parent_ids, budget: int, mtp_cache) -> DraftTree:
+    """The `budget` best candidates (tokens, scores, chain flags, parents' candidate ids [B, C], -1 for the root's
+    children), the chain's D first, in candidate order, so parents come before their children; `top_k` prefers the
+    lower id among equal keys. A kept node's parent is kept: the chain's parent is the chain's, and another's path
+    score is at most its parent's."""
+    kept, _, _ = _best(scores, on_chain, budget)
     kept = jnp.sort(kept, axis=-1)  # [B, N]
     batch = kept.shape[0]
     node_of = jnp.full(scores.shape, -1, jnp.int32).at[jnp.arange(batch)[:, None], kept].set(jnp.arange(budget))

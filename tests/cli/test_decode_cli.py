@@ -177,9 +177,9 @@ def test_model_without_head_decodes_plainly_with_a_note(checkpoints, capsys):
         ('{"token_ids": [5]}\n', ["--temperature", "-1"], "--temperature"),
         ('{"token_ids": [5]}\n', ["--top-p", "0"], "--top-p"),
         ('{"token_ids": [5]}\n', ["--mesh", "data=2"], "--mesh"),
-        ('{"token_ids": [5]}\n', ["--tree", "2"], "holds 3 to 36 nodes"),
+        ('{"token_ids": [5]}\n', ["--tree", "2"], "holds at least 3 nodes"),
         ('{"token_ids": [5]}\n', ["--tree", "8", "--no-mtp"], "not with --no-mtp"),
-        ('{"token_ids": [5]}\n', ["--tree", "8", "--adaptive"], "does not draft trees"),
+        ('{"token_ids": [5]}\n', ["--tree", "8", "--adaptive", "--round-costs", "1,2,3,4"], "needs 5 positive numbers"),
     ],
 )
 def test_bad_input_is_one_line(checkpoints, capsys, tmp_path, content, extra, message):

@@ -20,6 +20,7 @@ from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode.adaptive import (
     LONGEST_REST,
     REST_ROUNDS,
+    TREE_GUESSES,
     AcceptanceTracker,
     RestSchedule,
     choose_round,
@@ -49,16 +50,24 @@ def test_expected_tokens_matches_enumeration_of_outcomes():
         assert float(expected_tokens(jnp.asarray(rates))[j]) == pytest.approx(mean, rel=1e-6)
 
 
+def counts(hits, trials, tree_hits=None, tree_trials=None) -> AcceptanceTracker:
+    """A tracker holding these decayed counts (a tree's none where not given)."""
+    hits, trials = jnp.asarray(hits, jnp.float32), jnp.asarray(trials, jnp.float32)
+    tree_hits = jnp.zeros_like(hits) if tree_hits is None else jnp.asarray(tree_hits, jnp.float32)
+    tree_trials = jnp.zeros_like(hits) if tree_trials is None else jnp.asarray(tree_trials, jnp.float32)
+    return AcceptanceTracker(hits=hits, trials=trials, tree_hits=tree_hits, tree_trials=tree_trials)
+
+
 def test_rates_fall_back_to_the_depth_before():
-    tracker = AcceptanceTracker(hits=jnp.array([90.0, 0.0, 0.0]), trials=jnp.array([100.0, 0.0, 0.0]))
+    tracker = counts([90.0, 0.0, 0.0], [100.0, 0.0, 0.0])
     rates = np.asarray(tracker.rates())
     assert rates[0] == pytest.approx(91 / 102)  # 90 hits of 100 with the prior's 1 of 2
     np.testing.assert_allclose(rates[1:], rates[0])  # never drafted: as good as the last depth measured
 
 
 def test_policy_drafts_what_pays_and_rests_otherwise():
-    good = AcceptanceTracker(hits=jnp.array([90.0, 80.0, 70.0]), trials=jnp.array([100.0, 90.0, 80.0]))
-    poor = AcceptanceTracker(hits=jnp.array([5.0, 0.0, 0.0]), trials=jnp.array([100.0, 5.0, 0.0]))
+    good = counts([90.0, 80.0, 70.0], [100.0, 90.0, 80.0])
+    poor = counts([5.0, 0.0, 0.0], [100.0, 5.0, 0.0])
     cheap, steep = jnp.array([1.0, 1.2, 1.4, 1.6]), jnp.array([1.0, 2.0, 3.0, 4.0])
     room, full = jnp.bool_(True), jnp.bool_(False)
     assert int(choose_round(good, cheap, room)) == 3
@@ -68,7 +77,7 @@ def test_policy_drafts_what_pays_and_rests_otherwise():
     # One draft at acceptance 0.99 and cost 1.92 gives 1.0365 tokens per plain step: more than resting with a free
     # probe (1.0), but not by MARGIN (5%); more than resting with a dear one (1 / (1 + (c0 - 1) / C) = 1 / 1.05 =
     # 0.952, C = probe_cycle(1) rounds from probe to probe) by more than MARGIN.
-    even = AcceptanceTracker(hits=jnp.array([98.0]), trials=jnp.array([98.0]))  # rate 99/100
+    even = counts([98.0], [98.0])  # rate 99/100
     assert int(choose_round(even, jnp.array([1.0, 1.92]), room)) == 2
     assert probe_cycle(1) == REST_ROUNDS + 2  # one draft: a block of 2 slots and the rests' REST_ROUNDS
     assert int(choose_round(even, jnp.array([1.0 + 0.05 * probe_cycle(1), 1.92]), room)) == 1
@@ -79,8 +88,41 @@ def test_policy_drafts_what_pays_and_rests_otherwise():
 
 def test_estimated_costs_from_bytes():
     assert estimated_round_costs(1000, 50, 3) == pytest.approx((1.05, 1.05, 1.10, 1.15))
+    assert estimated_round_costs(1000, 50, 3, tree=True) == pytest.approx((1.05, 1.05, 1.10, 1.15, 1.15))
     with pytest.raises(ValueError, match="round_costs needs 4 positive numbers"):
         mtp_jax.DecodeConfig(num_draft=3, adaptive=True, round_costs=(1.0, 1.1))
+    with pytest.raises(ValueError, match=r"needs 5 positive numbers \(j = 0..3, then the tree's round\)"):
+        mtp_jax.DecodeConfig(num_draft=3, adaptive=True, tree=8, round_costs=(1.0, 1.1, 1.2, 1.3))
+
+
+def test_tree_rates_start_from_the_chains_and_follow_their_own_counts():
+    chain_only = counts([60.0, 50.0, 40.0], [100.0, 60.0, 50.0])
+    chain = np.asarray(chain_only.rates())
+    np.testing.assert_allclose(np.asarray(chain_only.tree_rates()), 1 - (1 - chain) ** TREE_GUESSES, rtol=1e-6)
+    measured = counts([60.0, 50.0, 40.0], [100.0, 60.0, 50.0], tree_hits=[30.0, 20.0, 10.0],
+                      tree_trials=[100.0, 30.0, 20.0])  # fmt: skip
+    prior = 1 - (1 - chain) ** TREE_GUESSES
+    expected = (np.array([30.0, 20.0, 10.0]) + 2 * prior) / (np.array([100.0, 30.0, 20.0]) + 2)
+    np.testing.assert_allclose(np.asarray(measured.tree_rates()), expected, rtol=1e-6)
+    assert (np.asarray(measured.tree_rates()) < chain).all()  # a tree measured worse than the chain stays so
+    updated = chain_only.update(jnp.array([5.0, 3.0, 0.0]), jnp.array([8.0, 5.0, 3.0]), tree=True)
+    np.testing.assert_allclose(np.asarray(updated.tree_hits), [5.0, 3.0, 0.0])
+    np.testing.assert_allclose(np.asarray(updated.hits), np.asarray(chain_only.hits))  # the chain's estimate kept
+
+
+def test_policy_takes_the_tree_where_it_pays():
+    """Index k + 1 is the tree round, k + 2 a rest: the tree where its tokens per unit of time are the best."""
+    tree_good = counts([60.0, 50.0, 40.0], [100.0, 60.0, 50.0], [80.0, 60.0, 45.0], [100.0, 80.0, 60.0])
+    tree_poor = counts([60.0, 50.0, 40.0], [100.0, 60.0, 50.0], [50.0, 25.0, 10.0], [100.0, 50.0, 25.0])
+    room, full = jnp.bool_(True), jnp.bool_(False)
+    accelerator = jnp.array([1.0, 1.05, 1.1, 1.15, 1.2])  # a verify of 17 rows about a plain step
+    cpu = jnp.array([1.0, 1.56, 2.9, 3.5, 8.6])  # every verify row costs compute (docs/benchmarks.md)
+    assert int(choose_round(tree_good, accelerator, room)) == 4
+    assert int(choose_round(tree_poor, accelerator, room)) == 3  # measured no better than the chain
+    assert int(choose_round(tree_good, cpu, room)) == 5  # nothing beats resting there
+    assert int(choose_round(tree_good, cpu, full)) == 0
+    assert drafting_can_pay((1.0, 9.0, 9.0, 9.0, 1.2), 3)  # only the tree could pay
+    assert not drafting_can_pay((1.0, 9.0, 9.0, 9.0, 4.0), 3)  # a tree's best: 4 tokens a round
 
 
 @pytest.mark.slow
@@ -136,12 +178,12 @@ def test_long_rests_slide_the_block_and_stay_exact():
 
 @pytest.mark.slow
 def test_costs_where_no_draft_can_pay_give_plain_decoding_without_probes():
-    assert drafting_can_pay((1.0, 1.75, 2.4, 3.0))
-    assert not drafting_can_pay((1.0, 2.0, 3.0, 4.0))  # all drafts accepted: one token per plain step, as resting
+    assert drafting_can_pay((1.0, 1.75, 2.4, 3.0), 3)
+    assert not drafting_can_pay((1.0, 2.0, 3.0, 4.0), 3)  # all drafts accepted: one token per plain step, as resting
     # All accepted, 0.968 tokens per plain step: above resting with dear probes (1 / (1 + 0.6 / 16) = 0.964, a probe
     # every probe_cycle(3) = 16 rounds) but not by MARGIN (1.012); 3 / 2.9 = 1.034 is.
-    assert not drafting_can_pay((1.6, 2.2, 3.1, 4.4))
-    assert drafting_can_pay((1.6, 2.2, 2.9, 4.4))
+    assert not drafting_can_pay((1.6, 2.2, 3.1, 4.4), 3)
+    assert drafting_can_pay((1.6, 2.2, 2.9, 4.4), 3)
     model = predictable_model("deepseek", 11)
     key = jax.random.key(0)
     plain = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=30))
@@ -223,15 +265,18 @@ def test_cli_adaptive_decodes_like_plain(checkpoint_folder, capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": ids}) + "\n" for ids in ([5, 6, 7], [9, 3], [4] * 7)))
     outputs = {}
-    for name, extra in [("plain", ["--no-mtp"]), ("adaptive", ["--adaptive", "--round-costs", "1,1.4,1.8"])]:
+    adaptive_tree = ["--adaptive", "--tree", "6", "--tree-width", "2", "--round-costs", "1,1.4,1.8,1.9"]
+    for name, extra in [("plain", ["--no-mtp"]), ("adaptive", ["--adaptive", "--round-costs", "1,1.4,1.8"]),
+                        ("adaptive_tree", adaptive_tree)]:  # fmt: skip
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
         argv = ["--model", checkpoint_folder, "--prompts-file", prompts, "--out", out, "--stats-json", stats,
                 "--max-new-tokens", 24, "--batch-size", 3, "--dtype", "float32", "--num-draft", 2, *extra]  # fmt: skip
         assert decode_main([str(a) for a in argv]) == 0, capsys.readouterr().err
         outputs[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
-    assert outputs["adaptive"] == outputs["plain"]
-    summary = json.loads(stats.read_text())
-    assert sum(summary["rounds_by_num_draft"]) == summary["rounds"]
+        summary = json.loads(stats.read_text())
+        assert sum(summary["rounds_by_num_draft"]) == summary["rounds"]
+    assert outputs["adaptive"] == outputs["plain"] and outputs["adaptive_tree"] == outputs["plain"]
+    assert summary["tree"] == 6 and summary["tree_rounds"] > 0, summary  # the last decode's: its trees ran
 
 
 @pytest.mark.parametrize(
@@ -297,3 +342,26 @@ def test_sliding_rests_leave_the_mtp_layer_the_blocks_context_only(shape):
     unmasked_block = state.block.replace(visible_from=jnp.zeros_like(lens))
     _, unmasked, _ = catch_up(ctx, state.replace(block=unmasked_block))
     assert not np.allclose(np.asarray(unmasked), np.asarray(normed), atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("layout", "eos", "costs"),
+    [("deepseek", 3, (1.0, 1.55, 2.1, 2.7, 2.9)), ("mimo", 5, (1.0, 1.45, 1.9, 2.35, 2.6))],
+)  # two MTP layouts, EOS mid-batch in each
+def test_adaptive_with_a_tree_equals_plain_through_every_kind_of_round(layout, eos, costs):
+    """With a draft tree the policy moves between probes, rests, chains of 1..3 and the tree (costs near
+    break-even for this head), and greedy output stays plain's: mixed prompt lengths, EOS mid-batch."""
+    model = predictable_model(layout, 11, cfg=tiny_config(layout, eos=(eos,)))
+    key = jax.random.key(0)
+    plain = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=60))
+    cfg = mtp_jax.DecodeConfig(num_draft=3, max_new_tokens=60, adaptive=True, round_costs=costs, tree=8, tree_width=2)
+    out = mtp_jax.generate(model, PROMPTS, PROMPT_LENS, key, cfg)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(plain.lengths))
+    np.testing.assert_array_equal(np.asarray(out.finished_by_eos), np.asarray(plain.finished_by_eos))
+    assert np.asarray(plain.finished_by_eos).any() and not np.asarray(plain.finished_by_eos).all()
+    rounds_with, rests, trees = np.asarray(out.stats.rounds_with), int(out.stats.rests), int(out.stats.tree_rounds)
+    assert rounds_with.sum() == int(out.stats.rounds)
+    assert 0 < rests < rounds_with[0], (rests, rounds_with)  # rests and probes
+    assert 0 < trees < rounds_with[1:].sum(), (rounds_with, trees)  # trees and chains

@@ -122,13 +122,14 @@ def marginal_total_variation(samples: np.ndarray, probs: np.ndarray) -> float:
 # The adaptive case's costs make its policy draft 3 in the first round and rest (plain steps without the MTP layer)
 # in the others.
 # k = 2 runs on the hybrid trunk: the same exactness with rejected drafts rolled back in recurrent states.
-# Draft trees (num_draft its depth; (node budget, width)): a branchy one, and one over the draft vocabulary's subset.
+# Draft trees (num_draft its depth; (node budget, width)): a branchy one, and one over the draft vocabulary's subset;
+# adaptive with a tree: its first round a tree's, then rests.
 @pytest.mark.parametrize(
     ("num_draft", "draft_vocab_size", "round_costs", "hybrid", "tree"),
     [
         (0, 0, None, False, None), (1, 0, None, False, None), (2, 0, None, True, None), (3, 0, None, False, None),
         (3, 4, None, False, None), (3, 0, (1.0, 1.5, 1.6, 1.7), False, None), (3, 0, None, False, (8, 3)),
-        (2, 4, None, False, (5, 2)),
+        (2, 4, None, False, (5, 2)), (3, 0, (1.0, 1.5, 1.6, 1.7, 1.75), False, (8, 3)),
     ],
 )  # fmt: skip
 def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_size, round_costs, hybrid, tree):
@@ -152,6 +153,7 @@ def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_
         rounds_with = np.asarray(out.stats.rounds_with)
         assert rounds_with[0] > 0 and rounds_with[num_draft] > 0, rounds_with  # plain and full rounds both ran
         assert int(out.stats.rests) > 0
+        assert (int(out.stats.tree_rounds) > 0) == bool(tree), int(out.stats.tree_rounds)
     if num_draft:
         reached, accepted = np.asarray(out.stats.reached), np.asarray(out.stats.accepted_at)
         often = 0.05 if tree else 0.2  # a tree's budget keeps few deep nodes

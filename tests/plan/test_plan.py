@@ -255,7 +255,7 @@ def test_plan_of_a_draft_tree_round(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--topology", "v5e:2x2", "--tree", "2"], "holds 3 to 36 nodes"),
+        (["--topology", "v5e:2x2", "--tree", "2"], "holds at least 3 nodes"),
         (["--topology", "v5e:2x2", "--tree", "8", "--random-shape", "qwen3.5-tiny"], "decodes chains"),
         (["--topology", "v7x:2x2"], "bad topology"),
         (["--topology", "gpu:8"], "JAX sees no GPU here"),  # gpu:N describes GPUs like an attached one
