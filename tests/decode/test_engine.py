@@ -133,16 +133,20 @@ def test_a_prompt_prefilled_in_chunks_holds_the_caches_of_one_prefill(family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafting", ["plain", "adaptive", "tree"])
+@pytest.mark.parametrize("drafting", ["plain", "adaptive", "tree", "adaptive_tree"])
 def test_every_kind_of_round_refills(drafting):
-    """Plain steps, adaptive rounds (which run inner loops of one kind of round: they stop too as a row finishes)
-    and draft trees through the engine: `generate`'s tokens."""
+    """Plain steps, adaptive rounds (which run inner loops of one kind of round: they stop too as a row finishes),
+    draft trees, and adaptive rounds among chains and a tree through the engine: `generate`'s tokens."""
     model = MODELS["gqa"]()
     settings = {"plain": dict(num_draft=0, invariant=True), "adaptive": dict(num_draft=3, adaptive=True,
-                invariant=True), "tree": dict(num_draft=2, tree=4, tree_width=2)}[drafting]  # fmt: skip
+                invariant=True), "tree": dict(num_draft=2, tree=4, tree_width=2),
+                "adaptive_tree": dict(num_draft=2, tree=4, tree_width=2, adaptive=True,
+                                      round_costs=(1.0, 1.1, 1.2, 1.2))}[drafting]  # fmt: skip
     cfg = mtp_jax.DecodeConfig(max_new_tokens=MAX_NEW, **settings)
     engine = Engine(model, cfg, slots=SLOTS, max_len=12 + MAX_NEW, rounds_per_piece=4)
     assert run_engine(engine, requests(), list(range(len(LENS))), late=2) == reference(model, cfg)
+    if drafting == "adaptive_tree":
+        assert int(mtp_jax.generate(model, PROMPTS, LENS, jax.random.key(0), cfg).stats.tree_rounds) > 0
 
 
 @pytest.mark.slow
