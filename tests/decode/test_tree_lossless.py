@@ -14,8 +14,11 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax.decode import speculative
-from mtp_jax.decode.tree import accepted_path
+from mtp_jax.decode.prefill import prefill
+from mtp_jax.decode.rounds import Round, RoundKind, draft, round_context
+from mtp_jax.decode.tree import accepted_path, draft_tree
 from mtp_jax.families.registry import model_config_from_hf, tiny_configs
+from mtp_jax.models.kv_cache import cache_slots
 from mtp_jax.ops import dispatch
 from tests.support.prompts import MIXED_LENS as PROMPT_LENS
 from tests.support.prompts import MIXED_PROMPTS as PROMPTS
@@ -54,7 +57,7 @@ def predictable():
 
 @pytest.mark.parametrize(("depth", "budget", "width"), [(3, 3, 1), (3, 8, 2), (3, 8, 3), (4, 16, 4), (2, 20, 4)])
 def test_greedy_tree_equals_plain(predictable, depth, budget, width):
-    """A width of 1 is the chain; (2, 20, 4) keeps every candidate."""
+    """A width of 1 is the chain; (2, 20, 4): 20 of the 24 tokens proposed at every node."""
     model, plain = predictable
     out = _decode(model, PROMPTS, PROMPT_LENS, num_draft=depth, tree=budget, tree_width=width)
     stopped = plain.finished_by_eos & (plain.lengths < NEW_TOKENS)
@@ -72,6 +75,29 @@ def test_a_tree_accepts_more_than_its_chain(predictable):
     tree = _decode(model, PROMPTS, PROMPT_LENS, num_draft=3, tree=8, tree_width=2)
     per_round = lambda out: out.stats.emitted / out.stats.row_rounds
     assert per_round(tree) > per_round(chain) + 0.2, (per_round(tree), per_round(chain))
+
+
+def test_a_tree_holds_its_chain(predictable):
+    """The chain of the tree's depth (each depth's likeliest draft) is among the tree's nodes, parent by parent,
+    however flat the head's probabilities (this head's first choices are right far more often than they say, so
+    ranked by path probability alone the tree would hold the root's children and nothing deeper)."""
+    model, _ = predictable
+    cfg = mtp_jax.DecodeConfig(num_draft=3, tree=6, tree_width=2, max_new_tokens=NEW_TOKENS)
+    slots, eos = cache_slots(PROMPTS.shape[1], cfg), jnp.zeros((0,), jnp.int32)
+    keys = jax.random.split(jax.random.key(0), PROMPTS.shape[0])
+    state = prefill(model, cfg, None, eos, PROMPTS, PROMPT_LENS, keys, slots)
+    ctx = round_context(model, cfg, None, eos, [Round(RoundKind.TREE, 3, 6)])
+    chain = np.asarray(draft(ctx, Round(RoundKind.DRAFT, 3), state).tokens)  # [B, 3]
+    tree = draft_tree(ctx, state)
+    tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)  # [B, N], block entries (0: the root)
+    for row in range(PROMPTS.shape[0]):
+        entry = 0
+        for token in chain[row]:
+            children = [i + 1 for i in range(tokens.shape[1]) if parents[row, i] == entry]
+            matching = [i for i in children if tokens[row, i - 1] == token]
+            assert len(matching) == 1, (row, chain[row], tokens[row], parents[row])
+            entry = matching[0]
+    assert (parents > 0).sum() < parents.size  # the budget left over holds other children of the root
 
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 5, 6])
