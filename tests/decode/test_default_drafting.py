@@ -54,7 +54,18 @@ def test_measured_once_per_key(model, monkeypatch, tmp_path):
     assert default_drafting.measured(model, IDS, LENS, 1, False, "fixed") == (found, "measured here earlier")
     adaptive, when = default_drafting.measured(model, IDS, LENS, 1, False, "adaptive")  # another key
     assert when.startswith("measured now") and len(adaptive["costs"]) == 2
+    with_tree, when = default_drafting.measured(model, IDS, LENS, 1, False, "adaptive", (2, 2))  # another key
+    assert when.startswith("measured now") and len(with_tree["costs"]) == 3  # probe, one draft, the tree
     assert default_drafting.costs_path().is_file()
+
+
+def test_adaptive_with_a_tree_gets_the_trees_cost_last(model, monkeypatch):
+    found = {"costs": [1.0, 1.3, 1.7, 2.1, 3.4]}
+    monkeypatch.setattr(default_drafting, "measured", lambda *a: (found, "measured earlier"))
+    drafting = default_drafting.choose(model, IDS, LENS, max_draft=3, adaptive=True, tree=(8, 2))
+    assert drafting.round_costs == tuple(found["costs"]) and "a tree of 8 nodes 3.40" in drafting.reason
+    cfg = default_drafting.apply(DecodeConfig(num_draft=3, tree=8, tree_width=2), drafting)
+    assert cfg.adaptive and cfg.tree == 8 and cfg.round_costs == tuple(found["costs"])
 
 
 @pytest.mark.slow
