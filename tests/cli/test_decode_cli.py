@@ -30,6 +30,7 @@ STATS_FIELDS = {
     "mean_accepted_length",
     "acceptance_rate",
     "rounds_by_num_draft",
+    "tree_rounds",
     "rest_rounds",
     "acceptance_per_position",
     "tokens_per_second",
