@@ -55,6 +55,13 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
     draft_vocab = draft_vocab_size(model)
     if cfg.tree_width > draft_vocab:
         raise ValueError(f"a tree {cfg.tree_width} wide proposes more children than the {draft_vocab} draft tokens")
+    children = min(cfg.tree, draft_vocab)
+    candidates = children * (1 + (cfg.num_draft - 1) * cfg.tree_width)
+    if cfg.tree > candidates:
+        raise ValueError(
+            f"a tree of depth {cfg.num_draft} and width {cfg.tree_width} over {draft_vocab} draft tokens proposes "
+            f"{candidates} nodes, fewer than its budget of {cfg.tree}"
+        )
     if cfg.invariant and model.config.mla is not None:
         raise ValueError(
             "draft trees do not run under batch-invariant decoding with latent attention (its batch-invariant form "

@@ -77,6 +77,13 @@ def test_a_tree_accepts_more_than_its_chain(predictable):
     assert per_round(tree) > per_round(chain) + 0.2, (per_round(tree), per_round(chain))
 
 
+def test_a_budget_past_what_the_tree_proposes_is_refused(predictable):
+    model, _ = predictable  # 24 draft tokens: depth 1 proposes 24 nodes at most, depth 2 width 1 48
+    with pytest.raises(ValueError, match="proposes 24 nodes, fewer than its budget of 30"):
+        speculative.checked_decode_config(model, mtp_jax.DecodeConfig(num_draft=1, tree=30, tree_width=2))
+    speculative.checked_decode_config(model, mtp_jax.DecodeConfig(num_draft=2, tree=30, tree_width=1))
+
+
 def test_a_tree_holds_its_chain(predictable):
     """The chain of the tree's depth (each depth's likeliest draft) is among the tree's nodes, parent by parent,
     however flat the head's probabilities (this head's first choices are right far more often than they say, so
