@@ -55,8 +55,7 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
     draft_vocab = draft_vocab_size(model)
     if cfg.tree_width > draft_vocab:
         raise ValueError(f"a tree {cfg.tree_width} wide proposes more children than the {draft_vocab} draft tokens")
-    children = min(cfg.tree, draft_vocab)
-    candidates = children * (1 + (cfg.num_draft - 1) * cfg.tree_width)
+    candidates = tree_children(model, cfg) * (1 + (cfg.num_draft - 1) * cfg.tree_width)
     if cfg.tree > candidates:
         raise ValueError(
             f"a tree of depth {cfg.num_draft} and width {cfg.tree_width} over {draft_vocab} draft tokens proposes "
@@ -78,6 +77,12 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
 def draft_vocab_size(model: CausalLM) -> int:
     """The tokens the MTP head drafts from (its draft vocabulary, or the whole vocabulary)."""
     return model.config.mtp.draft_vocab_size or model.config.vocab_size
+
+
+def tree_children(model: CausalLM, cfg: DecodeConfig) -> int:
+    """C, the children each expanded node proposes: N, or the whole draft vocabulary where it is smaller (a child
+    ranked past N among its siblings is never among the N best)."""
+    return min(cfg.tree, draft_vocab_size(model))
 
 
 class DraftTree(NamedTuple):
@@ -117,7 +122,7 @@ def draft_tree(ctx: RoundContext, s: LoopState) -> DraftTree:
     depth, width, budget = cfg.num_draft, cfg.tree_width, cfg.tree
     hidden, normed, mtp_cache = catch_up(ctx, s)  # [B, D]
     batch = hidden.shape[0]
-    children = min(budget, draft_vocab_size(model))  # C: a child ranked past N among its siblings is never kept
+    children = tree_children(model, cfg)
     scores, index = jax.lax.top_k(_draft_log_probs(model, normed, ctx.draft_head), children)  # [B, C]
     chain = jnp.broadcast_to(jnp.arange(children) == 0, (batch, children))  # [B, C] the first draft: the chain's
     tokens, all_scores, on_chain = [model.draft_ids(index)], [scores], [chain]  # per depth, the candidates'
