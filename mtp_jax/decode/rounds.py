@@ -7,8 +7,8 @@ A round with j drafts (k = cfg.num_draft, the most a round may draft; n = a row'
   2. verify: the trunk runs [x_n, d_1..d_j] at positions n..n+j in one pass and accepts a drafts plus one token of
      its own (greedy: the longest agreeing prefix; sampling: rejection sampling).
   3. commit: the emitted tokens, clipped at EOS and at the row's budget, go to the output; attention caches roll back
-     by length, recurrent states (hybrid trunks) by selection: the verify pass kept the state after every block
-     position and each row keeps the one after its a + 1 inputs (`CausalLM.keep_verified`); the verify hiddens and
+     by length, recurrent states (hybrid trunks) by replay: the verify pass kept its inputs, and each row's state
+     before it advances over its a + 1 inputs (`CausalLM.keep_verified`); the verify hiddens and
      emitted tokens become the next MTP block; n advances by a + 1.
   4. record: the counters, and adaptive decoding's acceptance estimate and rest schedule.
 
@@ -177,7 +177,7 @@ def verify(ctx: RoundContext, s: LoopState, drafts: jax.Array, draft_probs: jax.
     model, j = ctx.model, drafts.shape[1]
     inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, j+1]
     positions = s.position[:, None] + jnp.arange(j + 1)
-    # A plain step (no drafts) keeps its one state; a verify block every position's, until acceptance is known.
+    # A plain step (no drafts) keeps its one state; a verify block its inputs, until acceptance is known.
     recurrent = "every_state" if j else "last_state"
     hidden, cache = model.trunk(inputs, positions, cache, recurrent=recurrent)
     logits = model.logits(hidden)  # [B, j+1, V]
@@ -216,7 +216,7 @@ def commit(ctx: RoundContext, round_: Round, s: LoopState, drafts: Drafts, verdi
     active row advanced by a + 1, and the MTP block refilled (DRAFT, PROBE) or the rest queued in it (REST)."""
     active, batch = ~s.done, s.pending.shape[0]
     cache = verdict.cache
-    if round_.num_draft:  # recurrent states roll back by selection: each row keeps the state after its last input
+    if round_.num_draft:  # recurrent states: each row's state before the block replayed over its accepted inputs
         cache = ctx.model.keep_verified(s.cache, cache, verdict.accepted, active)
     emitted, count, eos_now = emitted_tokens(ctx, s, drafts.tokens, verdict)
     slot = jnp.arange(emitted.shape[1])

@@ -200,8 +200,8 @@ class CausalLM(nnx.Module):
         """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries.
 
         Recurrent (gated DeltaNet) states, by the `recurrent` form (models/hybrid_stack.py): "chunked" (prefill)
-        ends each row after its `lengths` tokens; "every_state" (a verify block) keeps the state after every
-        position until `keep_verified` picks one per row; "last_state" (a plain decode step) ends after the block.
+        ends each row after its `lengths` tokens; "every_state" (a verify block) keeps what gives the state after
+        any position until `keep_verified` picks one per row; "last_state" (a plain decode step) ends after the block.
         Attention caches ignore both (they roll back by length). With `block_mask`, each position attends to the
         cache before positions[:, 0] and to the block entries the mask names, and the block's entries go to slots
         positions[:, 0] onwards in block order (a tree's positions go by depth); attention-only trunks."""

@@ -10,8 +10,9 @@ head n keeps a state S [H, Y] and reads key head n // G:
 
 then the gated norm rmsnorm(out) * w * silu(z) and out_proj. The chunked form computes the same thing 64 tokens
 at a time (a unit lower-triangular system within a chunk, solved by its inverse; one state update per chunk); the
-recurrent form scans token by token and also returns the state after every position, so the speculative loop can
-keep the state at the accepted index.
+recurrent form scans token by token. A verify block keeps its tokens' delta-rule inputs (`VerifiedBlock`), not a
+state per position: once acceptance is known, each row's state is the state before the block replayed over its
+accepted tokens, step for step as plain decoding computes it.
 
 Einsum letters (with B, T, D of layers.py): C conv channels (q of every key head, then k, then v of every value
 head), W conv width, K key heads, N value heads, G value heads per key head (N / K), H key head dim, Y value head
@@ -31,6 +32,7 @@ from mtp_jax.models.layers import init_weight
 from mtp_jax.models.norms import GatedRMSNorm
 from mtp_jax.ops import loops
 from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.parallel.sharding import DELTANET_BLOCK_INPUTS, HEAD_SCALARS, HEADS, constrain
 from mtp_jax.quant.matmul_axes import MatmulAxes
 
 CHUNK = 64  # tokens per chunk of the parallel form (as the HF reference)
@@ -43,8 +45,6 @@ class DeltaNetState:
 
     conv: [B, W-1, C] the last W-1 conv inputs (zeros before the first token), in the activation dtype.
     recurrent: [B, N, H, Y] float32, the delta-rule state of every value head.
-    Per-position states (returned by `GatedDeltaNet.verify`) carry a T axis after B: conv [B, T, W-1, C],
-    recurrent [B, T, N, H, Y], the state after each of the T tokens.
     """
 
     conv: jax.Array
@@ -57,22 +57,32 @@ class DeltaNetState:
             recurrent=jnp.zeros((batch, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim), jnp.float32),
         )
 
-    def at(self, index: jax.Array) -> DeltaNetState:
-        """From per-position states: each row's state after its own position index[b] (index [B] int)."""
 
-        def pick(states: jax.Array) -> jax.Array:  # [B, T, ...] -> [B, ...]
-            rows = index.astype(jnp.int32).reshape(-1, *(1,) * (states.ndim - 1))
-            return jnp.take_along_axis(states, rows, axis=1)[:, 0]
+@struct.dataclass
+class VerifiedBlock:
+    """A gated DeltaNet layer through a verify block of T tokens, until acceptance gives each row's length.
 
-        return jax.tree.map(pick, self)
+    inputs: [B, T, C] the block's conv inputs (the short conv's state after a position is the last W-1 inputs).
+    k [B, T, N, H], v [B, T, N, Y], g, beta [B, T, N]: the block's delta-rule inputs, float32.
+    A state per position would be [B, T, N, H, Y] (T recurrent states written, one read back); the inputs are
+    T x (H + Y + 2) floats a head, and `kept` reads the state before the block once and writes the kept one.
+    """
 
-    def keep_where(self, keep: jax.Array, old: DeltaNetState) -> DeltaNetState:
-        """Rows with keep[b] ([B] bool) take `old`'s state (rows already done), the others this one."""
+    inputs: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
 
-        def choose(new: jax.Array, previous: jax.Array) -> jax.Array:
-            return jnp.where(keep.reshape(-1, *(1,) * (new.ndim - 1)), previous, new)
-
-        return jax.tree.map(choose, self, old)
+    def kept(self, before: DeltaNetState, accepted: jax.Array, active: jax.Array) -> DeltaNetState:
+        """Each active row's state after block position accepted[b] ([B] int), from `before` (the state the block
+        started from) advanced over its first accepted[b] + 1 tokens; rows not active ([B] bool) keep `before`
+        exactly."""
+        steps = jnp.where(active, accepted + 1, 0)
+        _, recurrent = recurrent_delta_rule(None, self.k, self.v, self.g, self.beta, before.recurrent, steps)
+        window = jnp.concatenate([before.conv, self.inputs.astype(before.conv.dtype)], axis=1)  # [B, W-1+T, C]
+        conv = conv_states_after(window, steps[:, None], before.conv.shape[1])[:, 0]
+        return DeltaNetState(conv=conv, recurrent=recurrent)
 
 
 def causal_conv(
@@ -99,25 +109,30 @@ def l2_normalize(x: jax.Array) -> jax.Array:
 
 
 def recurrent_delta_rule(
-    q: jax.Array,  # [B, T, N, H] float32, normalised and scaled
+    q: jax.Array | None,  # [B, T, N, H] float32, normalised and scaled; None: no outputs
     k: jax.Array,  # [B, T, N, H] float32, normalised
     v: jax.Array,  # [B, T, N, Y] float32
     g: jax.Array,  # [B, T, N] float32 log decay (<= 0)
     beta: jax.Array,  # [B, T, N] float32
     state: jax.Array,  # [B, N, H, Y] float32
-) -> tuple[jax.Array, jax.Array]:
-    """Token by token: (outputs [B, T, N, Y], the state after every token [B, T, N, H, Y])."""
+    steps: jax.Array | None = None,  # [B] int: tokens each row takes (the rest leave its state as it is); None: T
+) -> tuple[jax.Array | None, jax.Array]:
+    """Token by token: (outputs [B, T, N, Y], None without q; the state after each row's tokens [B, N, H, Y]).
+    A token a row takes is computed as in a block without `steps`, so a replay over a row's accepted tokens gives
+    the state plain steps give."""
 
     def step(s, token):
-        q_t, k_t, v_t, g_t, beta_t = token  # [B, N, H], [B, N, H], [B, N, Y], [B, N], [B, N]
-        s = s * jnp.exp(g_t)[..., None, None]
-        predicted = jnp.einsum("BNHY,BNH->BNY", s, k_t)
-        s = s + jnp.einsum("BNH,BNY->BNHY", k_t, (v_t - predicted) * beta_t[..., None])
-        return s, (jnp.einsum("BNHY,BNH->BNY", s, q_t), s)
+        index, q_t, k_t, v_t, g_t, beta_t = token  # [], [B, N, H], [B, N, H], [B, N, Y], [B, N], [B, N]
+        new = s * jnp.exp(g_t)[..., None, None]
+        predicted = jnp.einsum("BNHY,BNH->BNY", new, k_t)
+        new = new + jnp.einsum("BNH,BNY->BNHY", k_t, (v_t - predicted) * beta_t[..., None])
+        if steps is not None:
+            new = jnp.where((index < steps)[:, None, None, None], new, s)
+        return new, None if q_t is None else jnp.einsum("BNHY,BNH->BNY", new, q_t)
 
-    time_major = [jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)]
-    _, (out, states) = loops.scan(step, state, time_major)
-    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+    time_major = [None if a is None else jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)]
+    state, out = loops.scan(step, state, (jnp.arange(k.shape[1]), *time_major))
+    return (None if out is None else jnp.moveaxis(out, 0, 1)), state
 
 
 _EXACT = jax.lax.Precision.HIGHEST  # float32 matmuls in full precision (not TF32 / bf16 passes) on GPU and TPU
@@ -263,14 +278,21 @@ class GatedDeltaNet(nnx.Module):
             new_state = DeltaNetState(conv=conv.astype(state.conv.dtype), recurrent=recurrent)
             return self._output(core, z, x.dtype), new_state
 
-    def verify(self, x: jax.Array, state: DeltaNetState) -> tuple[jax.Array, DeltaNetState]:
-        """Recurrent form over a short block x [B, T, D]: (output [B, T, D], the per-position states after each of
-        the T tokens, [B, T, ...]; `DeltaNetState.at` keeps one per row)."""
+    def verify(
+        self, x: jax.Array, state: DeltaNetState, every_position: bool
+    ) -> tuple[jax.Array, DeltaNetState | VerifiedBlock]:
+        """Recurrent form over a short block x [B, T, D]: (output [B, T, D], the state after the block, or with
+        `every_position` what `VerifiedBlock.kept` needs to give the state after any of its positions)."""
         with jax.named_scope("gated_deltanet"):
             q, k, v, g, beta, z, window = self._rule_inputs(x, state)
             core, recurrent = recurrent_delta_rule(q, k, v, g, beta, state.recurrent)
             b, t = x.shape[:2]
-            counts = jnp.broadcast_to(jnp.arange(1, t + 1), (b, t))
-            conv = conv_states_after(window, counts, self.cfg.conv_kernel - 1)
-            states = DeltaNetState(conv=conv.astype(state.conv.dtype), recurrent=recurrent)
-            return self._output(core, z, x.dtype), states
+            width = self.cfg.conv_kernel - 1
+            output = self._output(core, z, x.dtype)
+            if every_position:  # kept as laid out here: only the state each row keeps is gathered to the cache's
+                inputs = constrain(window[:, width:], DELTANET_BLOCK_INPUTS)
+                k, v = constrain(k, HEADS), constrain(v, HEADS)
+                g, beta = constrain(g, HEAD_SCALARS), constrain(beta, HEAD_SCALARS)
+                return output, VerifiedBlock(inputs=inputs, k=k, v=v, g=g, beta=beta)
+            conv = conv_states_after(window, jnp.full((b, 1), t), width)[:, 0]
+            return output, DeltaNetState(conv=conv.astype(state.conv.dtype), recurrent=recurrent)

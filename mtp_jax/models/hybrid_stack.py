@@ -4,7 +4,8 @@ layer) repeated R times, with the parameters of each layer of the group stacked 
 
 A DeltaNet layer runs in one of three forms (`RECURRENT_FORMS`), chosen by the caller of the trunk:
   "chunked" (prefill; chunked delta rule): each row's state after its own last valid token (`lengths`);
-  "every_state" (verify; recurrent): the state after every block position, for `GroupCache.keep_verified`;
+  "every_state" (verify; recurrent): what gives the state after any block position (`VerifiedBlock`), for
+                `GroupCache.keep_verified`;
   "last_state" (plain decode step; recurrent): the state after the block's last token, written back at once.
 Attention layers write their keys and values at their positions as in models/causal_lm.py's LayerStack.
 """
@@ -38,18 +39,17 @@ class DeltaNetLayer(nnx.Module):
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, state: DeltaNetState, lengths, recurrent: str, invariant: bool = False):
-        """x [B, T, D] -> (x, the state `recurrent` names: after each row's `lengths` tokens ("chunked"), after
-        every position [B, T, ...] ("every_state"), after the last position ("last_state")). `invariant`: the MLP's
-        batch-invariant form (the delta rule's sums are each row's own in every form)."""
+        """x [B, T, D] -> (x, the state `recurrent` names: after each row's `lengths` tokens ("chunked"), what
+        gives the state after any position ("every_state": a VerifiedBlock), after the last position
+        ("last_state")). `invariant`: the MLP's batch-invariant form (the delta rule's sums are each row's own in
+        every form)."""
         x = constrain(x, HIDDEN)
         normed = self.input_norm(x)
         with jax.named_scope("attention"):
             if recurrent == "chunked":
                 out, state = self.attn.prefill(normed, state, lengths)
             else:
-                out, state = self.attn.verify(normed, state)
-                if recurrent == "last_state":
-                    state = jax.tree.map(lambda per_position: per_position[:, -1], state)  # [B, T, ...] -> [B, ...]
+                out, state = self.attn.verify(normed, state, every_position=recurrent == "every_state")
         x = x + constrain(out, HIDDEN)
         with jax.named_scope("mlp"):
             x = x + constrain(self.mlp(self.post_attention_norm(x), invariant=invariant), HIDDEN)

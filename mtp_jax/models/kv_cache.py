@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.config.model import LayerKind, ModelConfig
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, checked_attention
-from mtp_jax.models.gated_deltanet import DeltaNetState
+from mtp_jax.models.gated_deltanet import DeltaNetState, VerifiedBlock
 from mtp_jax.ops import loops
 from mtp_jax.parallel.sharding import (
     CACHE,
@@ -252,8 +252,8 @@ def deltanet_states(num_layers: int, batch: int, cfg: ModelConfig, dtype) -> Del
 class GroupCache:
     """The caches of a repeated layer group (models/hybrid_stack.py), one entry per layer of the group, each stacked
     over the R repeats: KVCache [R, B, S, K, H] for an attention layer, DeltaNetState (conv [R, B, W-1, C],
-    recurrent [R, B, N, H, Y]) for a gated DeltaNet. Right after a verify pass, the DeltaNet entries hold the state
-    after every block position (conv [R, B, T, W-1, C], recurrent [R, B, T, N, H, Y]) until `keep_verified`."""
+    recurrent [R, B, N, H, Y]) for a gated DeltaNet. Right after a verify pass, the DeltaNet entries are
+    `VerifiedBlock`s [R, B, T, ...] (the block's inputs) until `keep_verified`."""
 
     members: tuple
     attention: str = struct.field(pytree_node=False, default="one_pass")  # its attention members' form
@@ -279,9 +279,9 @@ class GroupCache:
         and rows not active ([B] bool) their state from `before` exactly; attention entries are kept as written."""
 
         def keep(entry, old):
-            if not isinstance(entry, DeltaNetState):
+            if not isinstance(entry, VerifiedBlock):
                 return entry
-            return jax.vmap(lambda states, prior: states.at(accepted).keep_where(~active, prior))(entry, old)
+            return jax.vmap(lambda block, prior: block.kept(prior, accepted, active))(entry, old)
 
         return self.replace(members=tuple(keep(e, o) for e, o in zip(self.members, before.members, strict=True)))
 

@@ -119,6 +119,8 @@ LATENT_CACHE = ("layers", "batch", "seq", None)  # [L, B, S, C]: no head axis
 HEADS = ("batch", "seq", "heads", None)  # [B, T, N, .] per-head activations
 DELTANET_CONV = ("layers", "batch", None, None)  # [L, B, W-1, C]: channels mix q, k and v of every head
 DELTANET_STATE = ("layers", "batch", "heads", None, None)  # [L, B, N, H, Y] over value heads
+DELTANET_BLOCK_INPUTS = ("batch", "seq", "mlp")  # [B, T, C] a verify block's conv inputs, as their projection gives
+HEAD_SCALARS = ("batch", "seq", "heads")  # [B, T, N] one value per head (the delta rule's decay and beta)
 LOGITS = ("batch", ..., "vocab")  # [B, ..., V]
 
 
@@ -179,7 +181,9 @@ class ShardingRules:
             for axis in self.mesh_axes(name):
                 if axis not in self.mesh.axis_names:
                     raise ValueError(f"rules map {name} to mesh axis {axis!r}, which mesh {self.mesh.axis_names} lacks")
-        for layout in (HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, DELTANET_CONV, DELTANET_STATE, LOGITS):
+        checked = (HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, DELTANET_CONV, DELTANET_STATE, DELTANET_BLOCK_INPUTS,
+                   HEAD_SCALARS, LOGITS)  # fmt: skip
+        for layout in checked:
             self.spec(layout)  # a parameter's declared layout is checked so when it is placed (`shard_model`)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:

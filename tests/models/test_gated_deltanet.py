@@ -21,6 +21,7 @@ from mtp_jax.models.gated_deltanet import (
     DeltaNetState,
     GatedDeltaNet,
     GatedDeltaNetConfig,
+    VerifiedBlock,
     chunked_delta_rule,
     l2_normalize,
     recurrent_delta_rule,
@@ -110,9 +111,14 @@ def _prefill(layer: GatedDeltaNet, x, state, lengths):
     return layer.prefill(x, state, lengths)
 
 
-@nnx.jit
-def _verify(layer: GatedDeltaNet, x, state):
-    return layer.verify(x, state)
+@nnx.jit(static_argnums=3)
+def _verify(layer: GatedDeltaNet, x, state, every_position: bool):
+    return layer.verify(x, state, every_position)
+
+
+@jax.jit
+def _kept(block: VerifiedBlock, before: DeltaNetState, accepted, active):
+    return block.kept(before, accepted, active)
 
 
 def _hf_state(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,18 +154,18 @@ def test_delta_rules_match_transformers_references():
     out, final = jax.jit(chunked_delta_rule)(*rule_args)
     _close(out, chunk_out)
     _close(final, chunk_state)
-    out, states = jax.jit(recurrent_delta_rule)(*rule_args)
+    out, final = jax.jit(recurrent_delta_rule)(*rule_args)
     _close(out, step_out)
-    _close(states[:, -1], step_state)
+    _close(final, step_state)
     _close(out, chunk_out)  # the two forms agree with each other as well
 
 
 @pytest.mark.slow
 def test_prefill_decode_and_verify_states(layers):
     """transformers with its cache: prefill 70 tokens (a chunk, then a padded one), then 4 tokens one at a time.
-    Ours: the same prefill (chunked), then the 4 tokens as one verify block (recurrent): its outputs, and its state
-    after each position, equal torch's per step; keeping the state at a row's accepted index, or the old state for a
-    row that is done, gives those states exactly. Continuing a prefill with the 4 tokens, and one prefill of all 74,
+    Ours: the same prefill (chunked), then the 4 tokens as one verify block (recurrent): its outputs, its last state,
+    and the state replayed to each position equal torch's per step; a row that is done keeps its old state exactly,
+    and replaying the whole block gives the block's own last state bit for bit. Continuing a prefill with the 4 tokens, and one prefill of all 74,
     end where torch does."""
     hf_cfg, hf_layer, ours, cfg = layers
     prompt, block = CHUNK + 6, 4
@@ -180,16 +186,24 @@ def test_prefill_decode_and_verify_states(layers):
     _close(state.conv, prefill_state[0])
     _close(state.recurrent, prefill_state[1])
 
-    out, per_position = _verify(ours, _j(x[:, prompt:]), state)
-    per_position = jax.tree.map(np.asarray, per_position)  # sliced below: numpy, no small compiles
+    out, last = _verify(ours, _j(x[:, prompt:]), state, False)
     _close(out, ref_block)
-    assert per_position.conv.shape == (2, block, cfg.conv_kernel - 1, cfg.conv_dim)
-    for i, (conv, recurrent) in enumerate(ref_states):
-        _close(per_position.conv[:, i], conv)
-        _close(per_position.recurrent[:, i], recurrent)
+    _close(last.conv, ref_states[-1][0])
+    _close(last.recurrent, ref_states[-1][1])
+    out, block_inputs = _verify(ours, _j(x[:, prompt:]), state, True)
+    _close(out, ref_block)
+    assert block_inputs.inputs.shape == (2, block, cfg.conv_dim)
+    both = jnp.array([True, True])
+    for i, (conv, recurrent) in enumerate(ref_states):  # the state after each position, replayed
+        kept = _kept(block_inputs, state, jnp.array([i, i]), both)
+        _close(kept.conv, conv)
+        _close(kept.recurrent, recurrent)
+    np.testing.assert_array_equal(  # the whole block replayed is the block's own last state, bit for bit
+        np.asarray(_kept(block_inputs, state, jnp.array([block - 1] * 2), both).recurrent), np.asarray(last.recurrent)
+    )
 
     accepted = jnp.array([1, 3])  # row 0 keeps the state after 2 tokens; row 1 is done and keeps the old one
-    kept = per_position.at(accepted).keep_where(jnp.array([False, True]), state)
+    kept = _kept(block_inputs, state, accepted, jnp.array([True, False]))
     _close(kept.recurrent[0], ref_states[1][1][0])
     _close(kept.conv[0], ref_states[1][0][0])
     np.testing.assert_array_equal(np.asarray(kept.recurrent[1]), np.asarray(state.recurrent[1]))
