@@ -11,7 +11,12 @@ from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import GenerateOutput, generate, generate_chunks
 from mtp_jax.decode.text import TextOutput, TextResult, generate_text
 from mtp_jax.decode.text_stream import stream_text
-from mtp_jax.kernels import fixed_tiles, grouped_kernel, routed_kernel  # noqa: F401  (kernels register: ops/dispatch.py)
+from mtp_jax.kernels import (  # noqa: F401  (kernels register: ops/dispatch.py)
+    delta_rule_kernel,
+    fixed_tiles,
+    grouped_kernel,
+    routed_kernel,
+)
 from mtp_jax.kernels.cpu import cpu_attention, cpu_rows  # noqa: F401
 from mtp_jax.loading.checkpoint import load, load_model
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers

@@ -317,7 +317,7 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """Some trunk layers are gated DeltaNets (a recurrent state to roll back by selection)."""
+        """Some trunk layers are gated DeltaNets (a recurrent state to roll back by replay)."""
         return "linear_attention" in self.layer_types
 
     def replace(self, **changes: Any) -> ModelConfig:

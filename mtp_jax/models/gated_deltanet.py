@@ -30,7 +30,7 @@ from flax import nnx, struct
 from mtp_jax.config.model import GatedDeltaNetConfig
 from mtp_jax.models.layers import init_weight
 from mtp_jax.models.norms import GatedRMSNorm
-from mtp_jax.ops import loops
+from mtp_jax.ops import dispatch, loops
 from mtp_jax.ops.rowwise import project, row_sum
 from mtp_jax.parallel.sharding import DELTANET_BLOCK_INPUTS, HEAD_SCALARS, HEADS, constrain
 from mtp_jax.quant.matmul_axes import MatmulAxes
@@ -116,10 +116,15 @@ def recurrent_delta_rule(
     beta: jax.Array,  # [B, T, N] float32
     state: jax.Array,  # [B, N, H, Y] float32
     steps: jax.Array | None = None,  # [B] int: tokens each row takes (the rest leave its state as it is); None: T
-) -> tuple[jax.Array | None, jax.Array]:
-    """Token by token: (outputs [B, T, N, Y], None without q; the state after each row's tokens [B, N, H, Y]).
-    A token a row takes is computed as in a block without `steps`, so a replay over a row's accepted tokens gives
-    the state plain steps give."""
+    final: bool = True,  # whether the state after the tokens is wanted
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """Token by token: (outputs [B, T, N, Y], None without q; the state after each row's tokens [B, N, H, Y], None
+    without `final`). A token a row takes is computed as in a block without `steps`, so a replay over a row's
+    accepted tokens gives the state plain steps give. A registered kernel runs it where one accepts
+    (kernels/delta_rule_kernel.py: TPU); XLA's scan elsewhere."""
+    kernel = dispatch.delta_rule_implementation(k, state)
+    if kernel is not None:
+        return kernel.run(q, k, v, g, beta, state, steps, final)
 
     def step(s, token):
         index, q_t, k_t, v_t, g_t, beta_t = token  # [], [B, N, H], [B, N, H], [B, N, Y], [B, N], [B, N]
@@ -132,7 +137,7 @@ def recurrent_delta_rule(
 
     time_major = [None if a is None else jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)]
     state, out = loops.scan(step, state, (jnp.arange(k.shape[1]), *time_major))
-    return (None if out is None else jnp.moveaxis(out, 0, 1)), state
+    return (None if out is None else jnp.moveaxis(out, 0, 1)), (state if final else None)
 
 
 _EXACT = jax.lax.Precision.HIGHEST  # float32 matmuls in full precision (not TF32 / bf16 passes) on GPU and TPU
@@ -285,7 +290,7 @@ class GatedDeltaNet(nnx.Module):
         `every_position` what `VerifiedBlock.kept` needs to give the state after any of its positions)."""
         with jax.named_scope("gated_deltanet"):
             q, k, v, g, beta, z, window = self._rule_inputs(x, state)
-            core, recurrent = recurrent_delta_rule(q, k, v, g, beta, state.recurrent)
+            core, recurrent = recurrent_delta_rule(q, k, v, g, beta, state.recurrent, final=not every_position)
             b, t = x.shape[:2]
             width = self.cfg.conv_kernel - 1
             output = self._output(core, z, x.dtype)

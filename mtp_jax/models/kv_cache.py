@@ -1,6 +1,7 @@
 """Fixed-shape caches. Attention caches: rows write at their own positions; rollback is by length (attention masks
 every slot past the query's position, so rejected drafts are simply overwritten later). Gated DeltaNet states
-(hybrid trunks, in a `GroupCache`): rollback is by selection, the verify pass giving the state after every position.
+(hybrid trunks, in a `GroupCache`): rollback is by replay, the verify pass keeping its tokens' inputs and each row
+advancing its state before the block over its accepted tokens.
 
 Every cache is a pytree whose leaves are [L, B, S, ...] arrays (layer, batch row, slot = absolute position), in the
 order a layer takes them as `past` and returns its new entries (models/causal_lm.py's LayerStack relies on it).

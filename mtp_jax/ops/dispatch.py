@@ -7,7 +7,9 @@ read by every product: `project` walks the registered implementations in their o
 accepts (the product's equation, operands and the Numerics); XLA's own form (ops/rowwise.py) takes the rest.
 Attention the same (`attend`): a registered kernel, or None for XLA's forms. A pass's routed experts the same
 (`experts_implementation`): a registered form that reads only the experts the pass uses, or None for XLA's forms
-(every expert on every row for a small pass, grouped matmuls for a large one: models/moe.py).
+(every expert on every row for a small pass, grouped matmuls for a large one: models/moe.py). A gated DeltaNet's
+token-by-token delta rule the same (`delta_rule_implementation`): a registered kernel, or None for XLA's scan
+(models/gated_deltanet.py).
 
 Kernels register themselves when imported (kernels/cpu/cpu_rows.py: the CPU row kernel and, from the same library, the
 decode attention of kernels/cpu/cpu_attention.py; kernels/fixed_tiles.py: a GPU's fixed tiles); the models import only
@@ -65,8 +67,9 @@ class Numerics:
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """A way to run products (`run(equation, x, weight, out_dtype)`), attention (`run(...)`, the operands of
-    `cache_attention.grouped_attention`) or a pass's routed experts (`run(x, weights, ids, layer, gate, up,
-    down)`, kernels/routed_kernel.py, kernels/grouped_kernel.py), taken where `accepts(numerics, ...)` says yes."""
+    `cache_attention.grouped_attention`), a pass's routed experts (`run(x, weights, ids, layer, gate, up,
+    down)`, kernels/routed_kernel.py, kernels/grouped_kernel.py) or the delta rule (`run(q, k, v, g, beta, state,
+    steps, final)`, kernels/delta_rule_kernel.py), taken where `accepts(numerics, ...)` says yes."""
 
     name: str
     accepts: Callable[..., bool]
@@ -77,6 +80,7 @@ class Implementation:
 _PRODUCTS: list[Implementation] = []
 _ATTENTION: list[Implementation] = []
 _EXPERTS: list[Implementation] = []
+_DELTA_RULE: list[Implementation] = []
 _AVAILABLE: dict[str, Callable[[str], bool]] = {}  # kernel name -> whether it is available on a platform
 _STACK_READERS: set[str] = set()  # kernels that read a layer's weight in place from its stack
 _EXPERT_STACK_READERS: set[str] = set()  # kernels that read a layer's routed experts in place from their stack
@@ -87,19 +91,20 @@ _CURRENT: contextvars.ContextVar[Numerics | None] = contextvars.ContextVar("mtp_
 def register_kernel(name: str, available: Callable[[str], bool], products: Implementation | None = None,
                     attention: Implementation | None = None, reads_stacks: bool = False,
                     experts: Implementation | None = None, reads_expert_stacks: bool = False,
-                    order: int = 0) -> None:  # fmt: skip
+                    delta_rule: Implementation | None = None, order: int = 0) -> None:  # fmt: skip
     """Register a kernel: `available(platform)` says whether it can run there (built and loaded); its product,
-    attention and routed-experts implementations, tried by `order` (lowest first; the order of registration among
-    equals) before XLA's forms; `reads_stacks`: its products read a layer's weight in place from its stack;
-    `reads_expert_stacks`: its experts form reads a layer's experts so. Registering a name again replaces it (a
-    module reloaded)."""
+    attention, routed-experts and delta-rule implementations, tried by `order` (lowest first; the order of
+    registration among equals) before XLA's forms; `reads_stacks`: its products read a layer's weight in place from
+    its stack; `reads_expert_stacks`: its experts form reads a layer's experts so. Registering a name again replaces
+    it (a module reloaded)."""
     _AVAILABLE[name] = available
     _ORDER[name] = order
     if reads_stacks:
         _STACK_READERS.add(name)
     if reads_expert_stacks:
         _EXPERT_STACK_READERS.add(name)
-    for registry, implementation in ((_PRODUCTS, products), (_ATTENTION, attention), (_EXPERTS, experts)):
+    kinds = ((_PRODUCTS, products), (_ATTENTION, attention), (_EXPERTS, experts), (_DELTA_RULE, delta_rule))
+    for registry, implementation in kinds:
         registry[:] = [i for i in registry if i.name != name]
         if implementation is not None:
             registry.append(dataclasses.replace(implementation, name=name))
@@ -163,6 +168,13 @@ def experts_implementation(x: jax.Array, ids: jax.Array, gate: Any, up: Any, dow
         i for i in _EXPERTS if i.name in numerics.kernels and i.accepts(numerics, x, ids, gate, up, down, manual, small)
     )
     return next(found, None)
+
+
+def delta_rule_implementation(k: jax.Array, state: jax.Array) -> Implementation | None:
+    """The first registered delta-rule kernel that accepts these keys [B, T, N, H] and states [B, N, H, Y] now, or
+    None (XLA's scan)."""
+    numerics = current()
+    return next((i for i in _DELTA_RULE if i.name in numerics.kernels and i.accepts(numerics, k, state)), None)
 
 
 def registered_product(name: str) -> Implementation | None:

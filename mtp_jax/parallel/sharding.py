@@ -40,19 +40,8 @@ from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "expert", "model")  # `model` innermost: neighbouring devices share a tensor-parallel group
-LOGICAL_AXES = (
-    "batch",
-    "seq",
-    "embed",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "mlp",
-    "vocab",
-    "experts",
-    "expert_mlp",
-    "layers",
-)
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "experts", "expert_mlp",
+                "layers")  # fmt: skip
 
 MeshAxes = str | tuple[str, ...] | None
 Logical = Sequence[str | types.EllipsisType | None]
@@ -122,6 +111,8 @@ DELTANET_STATE = ("layers", "batch", "heads", None, None)  # [L, B, N, H, Y] ove
 DELTANET_BLOCK_INPUTS = ("batch", "seq", "mlp")  # [B, T, C] a verify block's conv inputs, as their projection gives
 HEAD_SCALARS = ("batch", "seq", "heads")  # [B, T, N] one value per head (the delta rule's decay and beta)
 LOGITS = ("batch", ..., "vocab")  # [B, ..., V]
+CONSTRAINED = (HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, DELTANET_CONV, DELTANET_STATE, DELTANET_BLOCK_INPUTS,
+               HEAD_SCALARS, LOGITS)  # fmt: skip
 
 
 def param_axes(variable, name: str) -> tuple[str | None, ...]:
@@ -181,9 +172,7 @@ class ShardingRules:
             for axis in self.mesh_axes(name):
                 if axis not in self.mesh.axis_names:
                     raise ValueError(f"rules map {name} to mesh axis {axis!r}, which mesh {self.mesh.axis_names} lacks")
-        checked = (HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, DELTANET_CONV, DELTANET_STATE, DELTANET_BLOCK_INPUTS,
-                   HEAD_SCALARS, LOGITS)  # fmt: skip
-        for layout in checked:
+        for layout in CONSTRAINED:
             self.spec(layout)  # a parameter's declared layout is checked so when it is placed (`shard_model`)
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
 """Hybrid trunks (gated DeltaNet + gated attention) under speculative decoding: the recurrent states roll back by
-selection, so MTP greedy gives exactly plain greedy's tokens; and the state a row keeps after a verify block is the
+replay, so MTP greedy gives exactly plain greedy's tokens; and the state a row keeps after a verify block is the
 state plain (chunked) prefill reaches over the same tokens."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_mtp_greedy_equals_plain_greedy(model, plain, k):
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.lengths, plain.lengths)
     np.testing.assert_array_equal(out.finished_by_eos, plain.finished_by_eos)
-    # drafts were accepted at every depth and rejected in many rounds (rollback by selection was exercised)
+    # drafts were accepted at every depth and rejected in many rounds (rollback by replay was exercised)
     assert (out.stats.accepted_at > 0).all(), out.stats.accepted_at
     assert out.stats.accepted_at[0] < 0.8 * out.stats.row_rounds, (out.stats.accepted_at, out.stats.row_rounds)
 
@@ -72,7 +72,7 @@ def _deltanet_states(cache: tuple) -> list[DeltaNetState]:
 
 
 def test_kept_state_after_a_verify_block_equals_prefill_state(model):
-    """Prefill the prompts, verify a block of 4 tokens (recurrent form, a state per position), keep position
+    """Prefill the prompts, verify a block of 4 tokens (recurrent form, its inputs kept), keep position
     accepted[b] (row 3 inactive: its old state): each DeltaNet state equals a chunked prefill of the prompt plus the
     accepted[b] + 1 block tokens."""
     slots, block = 32, 4

@@ -165,8 +165,8 @@ def test_prefill_decode_and_verify_states(layers):
     """transformers with its cache: prefill 70 tokens (a chunk, then a padded one), then 4 tokens one at a time.
     Ours: the same prefill (chunked), then the 4 tokens as one verify block (recurrent): its outputs, its last state,
     and the state replayed to each position equal torch's per step; a row that is done keeps its old state exactly,
-    and replaying the whole block gives the block's own last state bit for bit. Continuing a prefill with the 4 tokens, and one prefill of all 74,
-    end where torch does."""
+    and replaying the whole block gives the block's own last state bit for bit. Continuing a prefill with the 4
+    tokens, and one prefill of all 74, end where torch does."""
     hf_cfg, hf_layer, ours, cfg = layers
     prompt, block = CHUNK + 6, 4
     x = normal_inputs(3, (2, prompt + block, HIDDEN))

@@ -234,6 +234,16 @@ def test_hybrid_states_on_a_mesh(report):
 
 @pytest.mark.slow
 @pytest.mark.multidevice
+def test_hybrid_delta_rule_kernel_on_a_mesh(report):
+    """The same trunk and mesh with the delta-rule kernel made available (kernels/delta_rule_kernel.py, Pallas'
+    interpreter): it runs per shard (shard_maps beside the trunk's others) and decodes one device's tokens."""
+    run, reference = report["hybrid_kernel"], report["hybrid"]["reference"]
+    assert run["shard_maps"] > report["hybrid"]["run"]["shard_maps"]
+    assert (run["tokens"], run["lengths"]) == (reference["tokens"], reference["lengths"])
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
 def test_uneven_batch_is_refused(report):
     assert "6 rows" in report["batch_error"] and "multiple of 4" in report["batch_error"]
 

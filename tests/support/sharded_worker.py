@@ -30,12 +30,14 @@ from checkpoints_convert.__main__ import main as convert_main
 from mtp_jax.config.model import MoeConfig, MtpConfig
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode.engine import Engine, Request
+from mtp_jax.kernels import delta_rule_kernel
 from mtp_jax.loading import heads
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention, grouped_attention
 from mtp_jax.models.kv_cache import cache_slots, long_cache_shards
 from mtp_jax.models.mla import MultiHeadLatentAttention
 from mtp_jax.models.moe import MoE
 from mtp_jax.models.softmax_moe import SoftmaxMoE
+from mtp_jax.ops import dispatch
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import shapes
 from tests.support.commands import ROOT
@@ -47,7 +49,7 @@ DRAFTS = (0, 2)
 ADAPTIVE_MESH = "data=2,model=4"  # adaptive rounds (j = 0 or 1 drafts, picked on device) and a tree on this mesh
 TREE_NODES = 8
 MOE_MESH = "data=2,expert=2,model=2"  # the DeepSeek-V3 model decodes with one draft per round on this mesh
-HYBRID_MESH = "data=2,model=4"  # a Qwen3.5-shaped hybrid (DeltaNet states rolled back by selection), two drafts
+HYBRID_MESH = "data=2,model=4"  # a Qwen3.5-shaped hybrid (DeltaNet states rolled back by replay), two drafts
 EXPERT_RUNS = (  # (model, mesh, drafts): expert parallelism, each shard running its experts over every row it sees
     ("deepseek_v3", "data=1,expert=4,model=2", (0, 2)),
     ("deepseek_v3", "data=2,expert=4,model=1", (2,)),
@@ -162,6 +164,20 @@ def mesh_report(model, spec: str, k: int) -> dict:
         "params": describe_params(sharded),
         "cache": cache_spec(sharded),
     }
+
+
+def delta_rule_kernel_report(model, spec: str, k: int) -> dict:
+    """`model` decoded with k drafts on mesh `spec` with the delta-rule kernel made available (Pallas' interpreter on
+    these CPU devices): its outputs, and its program's shard_map calls (the kernel runs per shard)."""
+    available = dispatch._AVAILABLE[delta_rule_kernel.NAME]
+    dispatch._AVAILABLE[delta_rule_kernel.NAME] = lambda platform: True
+    jax.clear_caches()  # generate's programs traced before, without the kernel, are not reused
+    try:
+        result, _ = decode(sharding.shard_model(model, sharding.make_mesh(spec)), k)
+    finally:
+        dispatch._AVAILABLE[delta_rule_kernel.NAME] = available
+        jax.clear_caches()
+    return result
 
 
 def qwen3_5_moe_config():
@@ -367,11 +383,12 @@ def meshes_report(workdir: str) -> dict:
     report["adaptive"], _ = decode(adaptive, 1, adaptive=True)
     report["tree"], _ = decode(adaptive, 3, tree=TREE_NODES)  # a draft tree on the same data and model axes
     # a random tiny DeepSeek-V3 (MLA, 16 routed experts in trunk and MTP layer); a predictable hybrid trunk (gated
-    # DeltaNet + gated attention groups, states rolled back by selection)
+    # DeltaNet + gated attention groups, states rolled back by replay)
     moe_model = mtp_jax.CausalLM(shapes.deepseek_v3_tiny(), rngs=nnx.Rngs(0))
     report["moe"] = mesh_report(moe_model, MOE_MESH, 1)
     report["moe_tree"], _ = decode(sharding.shard_model(moe_model, sharding.make_mesh(MOE_MESH)), 2, tree=6)
     report["hybrid"] = mesh_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
+    report["hybrid_kernel"] = delta_rule_kernel_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
 
     try:
         mtp_jax.generate(sharding.shard_model(model, sharding.make_mesh("data=4,model=2")), IDS[:6], LENS[:6], None)
