@@ -9,8 +9,9 @@ of T tokens about 2T passes over the states, and the replay that keeps each row'
 once and writes them at most once, whatever T:
 
   - the grid runs over rows and tiles of heads; a step holds its heads' states [N', H, Y], the block's keys and
-    queries [N', T', H] (T' = T padded to SUBLANES rows, transposed in VMEM into columns), values [N', T', Y] and
-    per-head decay and beta (lanes 0 and 1 of [N', T', LANES]);
+    queries [N', T, H] (transposed in VMEM into columns), values [N', T, Y] and per-head decay and beta (lanes 0
+    and 1 of [N', T, LANES]); T is a whole block dimension, so none of these is padded in HBM (a plain step's
+    [B, 1, N, H] keys are the kernel's [B, N, 1, H] as they lie);
   - per head and token, in float32 on the vector units: s <- exp(g) s; s <- s + k ((v - k^T s) beta); out = s^T q
     (the recurrence of `recurrent_delta_rule`, as sums over H rather than matmuls);
   - a row takes its first steps[b] tokens (a scalar-prefetch argument) and keeps its state for the rest: the
@@ -37,7 +38,7 @@ from mtp_jax.parallel import sharding
 
 NAME = "delta_rule_pallas"
 KERNEL_NAME = "mtp_jax_delta_rule"  # in the compiled program's custom call
-SUBLANES, LANES = 8, 128
+LANES = 128
 STATE_BLOCK_BYTES = 2 * 2**20  # a grid step's states at most (each is fetched and written back double-buffered)
 STATE = ("batch", "heads", None, None)  # [B, N, H, Y]
 ROWS = ("batch",)  # [B]
@@ -58,9 +59,9 @@ def _body(tokens: int, outputs: bool, final: bool, steps_ref, *refs):
 
     def head(n, carry):
         s = state_ref[0, n]  # [H, Y]
-        k_columns = k_ref[0, n].T  # [H, T']
+        k_columns = k_ref[0, n].T  # [H, T]
         q_columns = q_ref[0, n].T if outputs else None
-        v_rows, scalars = v_ref[0, n], scalars_ref[0, n]  # [T', Y], [T', LANES]
+        v_rows, scalars = v_ref[0, n], scalars_ref[0, n]  # [T, Y], [T, LANES]
         outs = []
         for t in range(tokens):
             g, beta = scalars[t : t + 1, 0:1], scalars[t : t + 1, 1:2]  # [1, 1]
@@ -72,8 +73,7 @@ def _body(tokens: int, outputs: bool, final: bool, steps_ref, *refs):
             if outputs:
                 outs.append(jnp.sum(s * q_columns[:, t : t + 1], axis=0, keepdims=True))  # [1, Y]
         if outputs:
-            pad = v_rows.shape[0] - tokens
-            out_ref[0, n] = jnp.concatenate(outs + [jnp.zeros((pad, v_rows.shape[1]), jnp.float32)] * bool(pad))
+            out_ref[0, n] = jnp.concatenate(outs)  # [T, Y]
         if final:
             new_ref[0, n] = s
         return carry
@@ -96,21 +96,18 @@ def delta_rule_kernel(
     `final`), as `recurrent_delta_rule`'s, on one device's arrays. `interpret`: Pallas' interpreter."""
     b, t, n, h = k.shape
     y = v.shape[-1]
-    padded = -(-t // SUBLANES) * SUBLANES
     heads = head_tile(n, h, y)
-
-    def by_head(a: jax.Array) -> jax.Array:  # [B, T, N, X] -> [B, N, T', X]
-        return jnp.pad(jnp.moveaxis(a, 1, 2), ((0, 0), (0, 0), (0, padded - t), (0, 0)))
+    by_head = lambda a: jnp.moveaxis(a, 1, 2)  # [B, T, N, X] -> [B, N, T, X]
 
     scalars = jnp.pad(jnp.stack([g, beta], axis=-1), ((0, 0), (0, 0), (0, 0), (0, LANES - 2)))  # [B, T, N, LANES]
     operands = [state, by_head(k), by_head(v), by_head(scalars)] + ([by_head(q)] if q is not None else [])
-    block = lambda width: pl.BlockSpec((1, heads, padded, width), lambda i, j, steps: (i, j, 0, 0))
+    block = lambda width: pl.BlockSpec((1, heads, t, width), lambda i, j, steps: (i, j, 0, 0))
     state_block = pl.BlockSpec((1, heads, h, y), lambda i, j, steps: (i, j, 0, 0))
-    outputs = [(block(y), (b, n, padded, y))] if q is not None else []
+    outputs = [(block(y), (b, n, t, y))] if q is not None else []
     outputs += [(state_block, (b, n, h, y))] if final else []
     if not outputs:
         return None, None
-    in_bytes = 4 * heads * (h * y + padded * (2 * h + y + LANES))
+    in_bytes = 4 * heads * (h * y + max(t, 8) * (2 * h + y + LANES))  # VMEM rounds T up to whole sublanes
     call = pl.pallas_call(
         functools.partial(_body, t, q is not None, final),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -128,8 +125,8 @@ def delta_rule_kernel(
         name=KERNEL_NAME,
     )
     steps = jnp.full((b,), t, jnp.int32) if steps is None else steps.astype(jnp.int32)
-    results = call(steps, *operands)  # [outputs [B, N, T', Y]], [state [B, N, H, Y]]
-    out = jnp.moveaxis(results[0][:, :, :t], 1, 2) if q is not None else None
+    results = call(steps, *operands)  # [outputs [B, N, T, Y]], [state [B, N, H, Y]]
+    out = jnp.moveaxis(results[0], 1, 2) if q is not None else None
     return out, results[-1] if final else None
 
 
