@@ -18,6 +18,8 @@ from mtp_jax.decode import speculative
 from mtp_jax.kernels import delta_rule_kernel as kernel_module
 from mtp_jax.models.gated_deltanet import recurrent_delta_rule
 from mtp_jax.ops import dispatch
+from mtp_jax.parallel import sharding
+from mtp_jax.plan import planning, shapes, topology
 from tests.support.hybrid_models import predictable_hybrid_model
 from tests.support.prompts import padded_prompts
 
@@ -116,9 +118,6 @@ def test_greedy_mtp_through_the_kernel_equals_plain(monkeypatch):
 def hybrid_round_hlo(head_dim: int) -> str:
     """The compiled MTP round (k = 3, batch 8) of qwen3.5-tiny with gated-DeltaNet head dims `head_dim`, for 4 TPU
     v5e chips (data=1, model=4)."""
-    from mtp_jax.parallel import sharding
-    from mtp_jax.plan import planning, shapes, topology
-
     cfg = shapes.shape("qwen3.5-tiny")
     linear = dataclasses.replace(cfg.linear_attention, key_head_dim=head_dim, value_head_dim=head_dim)
     cfg = cfg.replace(linear_attention=linear)
