@@ -298,8 +298,6 @@ def run(args) -> int:
         work.decode_config()
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.tree and cfg.is_hybrid:
-        raise UserError(f"--tree: {name} has a recurrent (gated DeltaNet) trunk, which decodes chains")
     if cfg.max_position_embeddings < work.prompt_len + work.max_new_tokens:
         raise UserError(
             f"prompt {work.prompt_len} + budget {work.max_new_tokens} passes the model's context "

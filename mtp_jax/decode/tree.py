@@ -24,7 +24,9 @@ token x_n sits at position n (the root):
   4. commit: the path's trunk cache entries move from slots n + i to n + their depth (a gather of D + 1 entries per
      row and layer); its hiddens and emitted tokens become the next MTP block; the rest is rolled back by length.
 
-Recurrent trunks (gated DeltaNet) decode chains: a tree's verify pass would carry a state per node.
+Hybrid trunks (gated DeltaNet): in the verify pass each node's recurrent state is a chain's over its path from the
+root (models/block_tree.py; a state per node in flight, one layer at a time); the block keeps its inputs, and once
+the path is known each row's state is replayed over it, as after a chain's verify.
 """
 
 from __future__ import annotations
@@ -38,20 +40,16 @@ from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import LoopState, round_keys
 from mtp_jax.decode.rounds import Drafts, Round, RoundContext, Verdict, catch_up, commit, record
 from mtp_jax.decode.sampling import probabilities, sample
+from mtp_jax.models.block_tree import BlockTree, ancestry, block_depths
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import move_slots
 from mtp_jax.ops import dispatch
 
 
 def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
-    """Refuse a draft tree where its passes cannot run: a recurrent trunk, more children than draft tokens,
+    """Refuse a draft tree where its passes cannot run: more children than draft tokens,
     batch-invariant decoding without an attention kernel that takes the tree's mask (the CPU's; latent attention's
     batch-invariant form takes none)."""
-    if model.config.is_hybrid:
-        raise ValueError(
-            "draft trees need an attention-only trunk: a gated DeltaNet trunk's verify pass would carry a state per "
-            "node; decode it with a chain (num_draft without tree)"
-        )
     draft_vocab = draft_vocab_size(model)
     if cfg.tree_width > draft_vocab:
         raise ValueError(f"a tree {cfg.tree_width} wide proposes more children than the {draft_vocab} draft tokens")
@@ -89,26 +87,6 @@ class DraftTree(NamedTuple):
     tokens: jax.Array  # [B, N] the nodes' tokens, parents before children
     parents: jax.Array  # [B, N] each node's parent in the verify block: 0 the root, i + 1 node i
     mtp_cache: object  # the MTP cache after the catch-up (and the expansions' entries past the pending position)
-
-
-def ancestry(parents: jax.Array, depth: int) -> jax.Array:
-    """[B, T, T] bool: whether block entry j is entry i or one of its ancestors, for a block whose entry i has the
-    parent parents[b, i] (< i; an entry without one names itself) and no path deeper than `depth`."""
-    t = parents.shape[-1]
-    own = jnp.broadcast_to(jnp.eye(t, dtype=bool), (*parents.shape, t))
-    seen = own
-    for _ in range(depth):
-        seen = own | jnp.take_along_axis(seen, parents[..., None], axis=1)
-    return seen
-
-
-def block_depths(parents: jax.Array, depth: int) -> jax.Array:
-    """[B, T] int32: each entry's depth below the block's first (the root, its own parent)."""
-    depths = jnp.zeros(parents.shape, jnp.int32)
-    is_root = parents == jnp.arange(parents.shape[-1])
-    for _ in range(depth):
-        depths = jnp.where(is_root, 0, jnp.take_along_axis(depths, parents, axis=1) + 1)
-    return depths
 
 
 def _draft_log_probs(model, normed: jax.Array, head) -> jax.Array:
@@ -195,9 +173,11 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     batch, budget = tree.tokens.shape
     inputs = jnp.concatenate([s.pending[:, None], tree.tokens], axis=1)  # [B, N+1]
     parents = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), tree.parents], axis=1)  # [B, N+1]
-    depths, visible = block_depths(parents, depth), ancestry(parents, depth)  # [B, N+1], [B, N+1, N+1]
-    hidden, cache = model.trunk(inputs, s.position[:, None] + depths, s.cache, recurrent="last_state",
-                                block_mask=visible)  # fmt: skip
+    block = BlockTree.of(parents, depth)
+    hybrid = model.config.is_hybrid  # its recurrent layers keep the block's inputs until the path is known
+    positions = s.position[:, None] + block.depths  # [B, N+1]
+    recurrent = "every_state" if hybrid else "last_state"
+    hidden, cache = model.trunk(inputs, positions, s.cache, recurrent=recurrent, block_tree=block)
     logits = model.logits(hidden)  # [B, N+1, V]
     if ctx.sampling is None:
         picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N+1]
@@ -205,6 +185,8 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
         keys = jax.vmap(lambda key: jax.random.split(key, budget + 1))(round_keys(s.row_keys, s.num_generated, 1))
         picks = jax.vmap(jax.vmap(sample))(keys, probabilities(logits, ctx.sampling))  # [B, N+1]
     accepted, token, path = accepted_path(tree.tokens, parents, picks, depth)
+    if hybrid:  # the states after the path (`commit` finds no block left to replay)
+        cache = model.keep_verified(s.cache, cache, accepted, ~s.done, path)
     cache = tuple(move_slots(segment, s.position, path, budget + 1) for segment in cache)
     path_hidden = jnp.take_along_axis(hidden, path[..., None], axis=1)  # [B, D+1, D]
     verdict = Verdict(accepted, token, path_hidden, cache, None)

@@ -42,6 +42,7 @@ LANES = 128
 STATE_BLOCK_BYTES = 2 * 2**20  # a grid step's states at most (each is fetched and written back double-buffered)
 STATE = ("batch", "heads", None, None)  # [B, N, H, Y]
 ROWS = ("batch",)  # [B]
+TREE = ("batch", None)  # [B, T]
 
 
 def head_tile(heads: int, h: int, y: int) -> int:
@@ -50,12 +51,14 @@ def head_tile(heads: int, h: int, y: int) -> int:
     return max(fitting, default=1)
 
 
-def _body(tokens: int, outputs: bool, final: bool, steps_ref, *refs):
+def _body(tokens: int, outputs: bool, final: bool, tree: bool, steps_ref, parents_ref, *refs):
     state_ref, k_ref, v_ref, scalars_ref, *rest = refs
     q_ref = rest.pop(0) if outputs else None
     out_ref = rest.pop(0) if outputs else None
     new_ref = rest.pop(0) if final else None
-    steps = steps_ref[pl.program_id(0)]
+    nodes_ref = rest.pop(0) if tree else None  # [T, H, Y] VMEM: each tree entry's state
+    row = pl.program_id(0)
+    steps = steps_ref[row]
 
     def head(n, carry):
         s = state_ref[0, n]  # [H, Y]
@@ -66,10 +69,13 @@ def _body(tokens: int, outputs: bool, final: bool, steps_ref, *refs):
         for t in range(tokens):
             g, beta = scalars[t : t + 1, 0:1], scalars[t : t + 1, 1:2]  # [1, 1]
             k = k_columns[:, t : t + 1]  # [H, 1]
-            new = s * jnp.exp(g)
+            before = nodes_ref[parents_ref[row, t]] if tree and t else s  # a tree entry continues its parent's
+            new = before * jnp.exp(g)
             predicted = jnp.sum(new * k, axis=0, keepdims=True)  # [1, Y]
             new = new + k * ((v_rows[t : t + 1] - predicted) * beta)
-            s = jnp.where(t < steps, new, s)
+            if tree:
+                nodes_ref[t] = new
+            s = new if tree else jnp.where(t < steps, new, s)
             if outputs:
                 outs.append(jnp.sum(s * q_columns[:, t : t + 1], axis=0, keepdims=True))  # [1, Y]
         if outputs:
@@ -91,9 +97,12 @@ def delta_rule_kernel(
     steps: jax.Array | None = None,  # [B] int: tokens each row takes; None: all T
     final: bool = True,
     interpret: bool = False,
+    parents: jax.Array | None = None,  # [B, T] int: a draft tree's block, each entry's parent (the root's: itself)
 ) -> tuple[jax.Array | None, jax.Array | None]:
     """(outputs [B, T, N, Y] or None without q, the state after each row's tokens [B, N, H, Y] or None without
-    `final`), as `recurrent_delta_rule`'s, on one device's arrays. `interpret`: Pallas' interpreter."""
+    `final`), as `recurrent_delta_rule`'s, on one device's arrays. `interpret`: Pallas' interpreter. With
+    `parents` (outputs, no state): each entry's output with its state continuing its parent's, the states of the
+    tree's entries held in VMEM (`tree_delta_rule`'s, read once)."""
     b, t, n, h = k.shape
     y = v.shape[-1]
     heads = head_tile(n, h, y)
@@ -101,23 +110,28 @@ def delta_rule_kernel(
 
     scalars = jnp.pad(jnp.stack([g, beta], axis=-1), ((0, 0), (0, 0), (0, 0), (0, LANES - 2)))  # [B, T, N, LANES]
     operands = [state, by_head(k), by_head(v), by_head(scalars)] + ([by_head(q)] if q is not None else [])
-    block = lambda width: pl.BlockSpec((1, heads, t, width), lambda i, j, steps: (i, j, 0, 0))
-    state_block = pl.BlockSpec((1, heads, h, y), lambda i, j, steps: (i, j, 0, 0))
+    tree = parents is not None
+    if tree and (q is None or final):
+        raise ValueError("a tree block's delta rule gives outputs and no state")
+    block = lambda width: pl.BlockSpec((1, heads, t, width), lambda i, j, *prefetched: (i, j, 0, 0))
+    state_block = pl.BlockSpec((1, heads, h, y), lambda i, j, *prefetched: (i, j, 0, 0))
     outputs = [(block(y), (b, n, t, y))] if q is not None else []
     outputs += [(state_block, (b, n, h, y))] if final else []
     if not outputs:
         return None, None
     in_bytes = 4 * heads * (h * y + max(t, 8) * (2 * h + y + LANES))  # VMEM rounds T up to whole sublanes
+    in_bytes += 4 * t * h * y if tree else 0
     call = pl.pallas_call(
-        functools.partial(_body, t, q is not None, final),
+        functools.partial(_body, t, q is not None, final, tree),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(b, n // heads),
             in_specs=[state_block, block(h), block(y), block(LANES)] + ([block(h)] if q is not None else []),
             out_specs=[spec for spec, _ in outputs],
+            scratch_shapes=[pltpu.VMEM((t, h, y), jnp.float32)] if tree else [],
         ),
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _, shape in outputs],
-        input_output_aliases={1: len(outputs) - 1} if final else {},  # the state written over the one read
+        input_output_aliases={2: len(outputs) - 1} if final else {},  # the state written over the one read
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=4 * in_bytes + 16 * 2**20
         ),
@@ -125,24 +139,26 @@ def delta_rule_kernel(
         name=KERNEL_NAME,
     )
     steps = jnp.full((b,), t, jnp.int32) if steps is None else steps.astype(jnp.int32)
-    results = call(steps, *operands)  # [outputs [B, N, T, Y]], [state [B, N, H, Y]]
+    parents = jnp.zeros((b, t), jnp.int32) if parents is None else parents.astype(jnp.int32)
+    results = call(steps, parents, *operands)  # [outputs [B, N, T, Y]], [state [B, N, H, Y]]
     out = jnp.moveaxis(results[0], 1, 2) if q is not None else None
     return out, results[-1] if final else None
 
 
-def _sharded(q, k, v, g, beta, state, steps, final: bool, interpret: bool):
+def _sharded(q, k, v, g, beta, state, steps, parents, final: bool, interpret: bool):
     """`delta_rule_kernel` per shard of the active mesh (a custom call is not split by XLA's partitioner)."""
     rules = sharding.active_rules()
     if rules is None or sharding.one_device_active():
-        return delta_rule_kernel(q, k, v, g, beta, state, steps, final, interpret)
+        return delta_rule_kernel(q, k, v, g, beta, state, steps, final, interpret, parents)
     heads, scalars = sharding.HEADS, sharding.HEAD_SCALARS
-    with_q = q is not None
-    args = (k, v, g, beta, state, steps) + ((q,) if with_q else ())
-    layouts = (heads, heads, scalars, scalars, STATE, ROWS) + ((heads,) if with_q else ())
+    with_q, tree = q is not None, parents is not None
+    args = (k, v, g, beta, state, steps) + ((q,) if with_q else ()) + ((parents,) if tree else ())
+    layouts = (heads, heads, scalars, scalars, STATE, ROWS) + ((heads,) if with_q else ()) + ((TREE,) if tree else ())
     results = ((heads, v),) * with_q + ((STATE, state),) * final  # (layout, an array of the result's shape)
 
-    def local(k, v, g, beta, state, steps, *maybe_q):
-        out, new = delta_rule_kernel(maybe_q[0] if maybe_q else None, k, v, g, beta, state, steps, final, interpret)
+    def local(k, v, g, beta, state, steps, *rest):
+        q = rest[0] if with_q else None
+        out, new = delta_rule_kernel(q, k, v, g, beta, state, steps, final, interpret, rest[-1] if tree else None)
         return tuple(a for a in (out, new) if a is not None)
 
     spec = lambda logical, a: rules.sharding(logical, a.shape).spec
@@ -167,10 +183,10 @@ def _accepts(numerics: dispatch.Numerics, k, state) -> bool:
     return numerics.platform != "tpu" or fits(k, state)  # elsewhere only where a test made it available
 
 
-def _run(q, k, v, g, beta, state, steps, final) -> tuple[jax.Array | None, jax.Array | None]:
+def _run(q, k, v, g, beta, state, steps, final, parents=None) -> tuple[jax.Array | None, jax.Array | None]:
     interpret = dispatch.current().platform != "tpu"  # a test's CPU, where the kernel was made available
     steps = jnp.full(k.shape[:1], k.shape[1], jnp.int32) if steps is None else steps.astype(jnp.int32)
-    return _sharded(q, k, v, g, beta, state, steps, final, interpret)
+    return _sharded(q, k, v, g, beta, state, steps, parents, final, interpret)
 
 
 dispatch.register_kernel(

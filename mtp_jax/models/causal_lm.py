@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config.model import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
+from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import layer_entries
 from mtp_jax.models.hybrid_stack import GroupStack
@@ -195,36 +196,41 @@ class CausalLM(nnx.Module):
         cache,
         lengths: jax.Array | None = None,  # [B] valid tokens of right-padded rows (prefill); None: all T
         recurrent: str = "chunked",
-        block_mask: jax.Array | None = None,  # [B, T, T]: a draft tree's (decode/tree.py); None: causal
+        block_tree: BlockTree | None = None,  # a draft tree's block (decode/tree.py); None: a causal block
     ) -> tuple[jax.Array, object]:
         """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries.
 
         Recurrent (gated DeltaNet) states, by the `recurrent` form (models/hybrid_stack.py): "chunked" (prefill)
         ends each row after its `lengths` tokens; "every_state" (a verify block) keeps what gives the state after
         any position until `keep_verified` picks one per row; "last_state" (a plain decode step) ends after the block.
-        Attention caches ignore both (they roll back by length). With `block_mask`, each position attends to the
-        cache before positions[:, 0] and to the block entries the mask names, and the block's entries go to slots
-        positions[:, 0] onwards in block order (a tree's positions go by depth); attention-only trunks."""
+        Attention caches ignore both (they roll back by length). With `block_tree`, each position attends to the
+        cache before positions[:, 0] and to its ancestors in the block, whose entries go to slots positions[:, 0]
+        onwards in block order (a tree's positions go by depth); recurrent layers take each entry's path
+        ("every_state": `keep_verified` with the accepted path picks the states)."""
         with jax.named_scope("trunk"):
             x, rope = self.embed_tokens(tokens), self.rope(positions)
             updated = []
             for i, (segment, segment_cache) in enumerate(zip(self.segments, cache, strict=True)):
                 with jax.named_scope(f"segment_{i}"):
-                    if block_mask is None:
+                    if block_tree is None:
                         x, segment_cache = segment(x, positions, rope, segment_cache, lengths, recurrent)
+                    elif isinstance(segment, GroupStack):
+                        x, segment_cache = segment(
+                            x, positions, rope, segment_cache, recurrent=recurrent, block_tree=block_tree
+                        )
                     else:
-                        x, segment_cache = segment(x, positions, rope, segment_cache, block_mask=block_mask)
+                        x, segment_cache = segment(x, positions, rope, segment_cache, block_mask=block_tree.mask)
                 updated.append(segment_cache)
             return self.final_norm(x), tuple(updated)
 
-    def keep_verified(self, before, after, accepted: jax.Array, active: jax.Array):
+    def keep_verified(self, before, after, accepted: jax.Array, active: jax.Array, path: jax.Array | None = None):
         """The trunk cache after a verify block run with recurrent="every_state": recurrent states as after block
         position accepted[b] ([B] int) of each row, rows not active ([B] bool) as `before`; attention caches as
-        `after`."""
+        `after`. A draft tree's block: `path` [B, D+1], the accepted path's block entries by depth."""
         if not self.config.is_hybrid:
             return after
         return tuple(
-            new.keep_verified(old, accepted, active).constrained() if isinstance(new, GroupCache) else new
+            new.keep_verified(old, accepted, active, path).constrained() if isinstance(new, GroupCache) else new
             for old, new in zip(before, after, strict=True)
         )
 

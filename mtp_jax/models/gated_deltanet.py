@@ -12,7 +12,8 @@ then the gated norm rmsnorm(out) * w * silu(z) and out_proj. The chunked form co
 at a time (a unit lower-triangular system within a chunk, solved by its inverse; one state update per chunk); the
 recurrent form scans token by token. A verify block keeps its tokens' delta-rule inputs (`VerifiedBlock`), not a
 state per position: once acceptance is known, each row's state is the state before the block replayed over its
-accepted tokens, step for step as plain decoding computes it.
+accepted tokens, step for step as plain decoding computes it. A draft tree's block (models/block_tree.py) gives each
+entry the state of a chain over its path from the root, and its conv the inputs of that path.
 
 Einsum letters (with B, T, D of layers.py): C conv channels (q of every key head, then k, then v of every value
 head), W conv width, K key heads, N value heads, G value heads per key head (N / K), H key head dim, Y value head
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtp_jax.config.model import GatedDeltaNetConfig
+from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.layers import init_weight
 from mtp_jax.models.norms import GatedRMSNorm
 from mtp_jax.ops import dispatch, loops
@@ -74,6 +76,11 @@ class VerifiedBlock:
     g: jax.Array
     beta: jax.Array
 
+    def along(self, path: jax.Array) -> VerifiedBlock:
+        """The block's entries path[b, j] ([B, P]) in path order: a draft tree's accepted path as a chain's block."""
+        take = lambda a: jnp.take_along_axis(a, path.reshape(*path.shape, *(1,) * (a.ndim - 2)), axis=1)
+        return jax.tree.map(take, self)
+
     def kept(self, before: DeltaNetState, accepted: jax.Array, active: jax.Array) -> DeltaNetState:
         """Each active row's state after block position accepted[b] ([B] int), from `before` (the state the block
         started from) advanced over its first accepted[b] + 1 tokens; rows not active ([B] bool) keep `before`
@@ -89,11 +96,17 @@ def causal_conv(
     x: jax.Array,  # [B, T, C] conv inputs of the new tokens
     conv_state: jax.Array,  # [B, W-1, C] the inputs before them
     weight: jax.Array,  # [W, C] depthwise taps, oldest input first
+    tree: BlockTree | None = None,  # a draft tree's block: each token's taps follow its own path
 ) -> tuple[jax.Array, jax.Array]:
     """(SiLU(causal depthwise conv) [B, T, C], the whole input window [B, W-1+T, C]: state then new inputs)."""
     window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
     width, t = weight.shape[0], x.shape[1]
-    out = sum(window[:, j : j + t].astype(jnp.float32) * weight[j].astype(jnp.float32) for j in range(width))
+    if tree is None:
+        taps = [window[:, j : j + t] for j in range(width)]
+    else:
+        index = tree.conv_taps(width)  # [B, T, W]
+        taps = [jnp.take_along_axis(window, index[..., j : j + 1], axis=1) for j in range(width)]
+    out = sum(tap.astype(jnp.float32) * weight[j].astype(jnp.float32) for j, tap in enumerate(taps))
     return jax.nn.silu(out).astype(x.dtype), window
 
 
@@ -138,6 +151,25 @@ def recurrent_delta_rule(
     time_major = [None if a is None else jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)]
     state, out = loops.scan(step, state, (jnp.arange(k.shape[1]), *time_major))
     return (None if out is None else jnp.moveaxis(out, 0, 1)), (state if final else None)
+
+
+def tree_delta_rule(q, k, v, g, beta, state: jax.Array, tree: BlockTree) -> jax.Array:
+    """Outputs [B, T, N, Y] over a draft tree's block (inputs [B, T, ...] as `recurrent_delta_rule` takes them, state
+    [B, N, H, Y] before the block): each entry's with the state a chain over its path from the root reaches, every
+    entry's path replayed at once as the rows of one recurrence (D+1 steps at most; a state per entry in flight,
+    none kept: `VerifiedBlock.along` gives the accepted path's inputs to `kept`). A registered kernel computes each
+    entry once from its parent's state (kernels/delta_rule_kernel.py: TPU)."""
+    kernel = dispatch.delta_rule_implementation(k, state)
+    if kernel is not None:
+        return kernel.run(q, k, v, g, beta, state, None, False, tree.parents)[0]
+    b, t = k.shape[:2]
+    steps = tree.depth + 1
+    rows = lambda a: tree.along_paths(a).reshape(b * t, steps, *a.shape[2:])  # [B*T, D+1, ...]
+    starts = jnp.repeat(state, t, axis=0)  # [B*T, N, H, Y]
+    taken = (tree.depths + 1).reshape(b * t)
+    out, _ = recurrent_delta_rule(rows(q), rows(k), rows(v), rows(g), rows(beta), starts, taken, final=False)
+    out = out.reshape(b, t, steps, *out.shape[2:])  # [B, T, D+1, N, Y]
+    return jnp.take_along_axis(out, tree.depths[:, :, None, None, None], axis=2)[:, :, 0]
 
 
 _EXACT = jax.lax.Precision.HIGHEST  # float32 matmuls in full precision (not TF32 / bf16 passes) on GPU and TPU
@@ -241,10 +273,11 @@ class GatedDeltaNet(nnx.Module):
         out = init_weight(rngs, (n, y, d), dtype, n * y)
         self.out_proj = nnx.Param(out, axes=("heads", None, "embed"), matmul=MatmulAxes((0, 1)))  # NYD: over N, Y
 
-    def _rule_inputs(self, x: jax.Array, state: DeltaNetState):
+    def _rule_inputs(self, x: jax.Array, state: DeltaNetState, tree: BlockTree | None = None):
         """x [B, T, D] -> (q, k, v, g, beta float32 as the delta rule takes them, z [B, T, N, Y], conv window)."""
         cfg = self.cfg
-        mixed, window = causal_conv(project("BTD,DC->BTC", x, self.in_proj_qkv.get_value()), state.conv, self.conv[...])
+        channels = project("BTD,DC->BTC", x, self.in_proj_qkv.get_value())
+        mixed, window = causal_conv(channels, state.conv, self.conv[...], tree)
         b, t, _ = mixed.shape
         q, k, v = jnp.split(mixed.astype(jnp.float32), [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         groups = cfg.num_value_heads // cfg.num_key_heads
@@ -284,13 +317,17 @@ class GatedDeltaNet(nnx.Module):
             return self._output(core, z, x.dtype), new_state
 
     def verify(
-        self, x: jax.Array, state: DeltaNetState, every_position: bool
+        self, x: jax.Array, state: DeltaNetState, every_position: bool, tree: BlockTree | None = None
     ) -> tuple[jax.Array, DeltaNetState | VerifiedBlock]:
         """Recurrent form over a short block x [B, T, D]: (output [B, T, D], the state after the block, or with
-        `every_position` what `VerifiedBlock.kept` needs to give the state after any of its positions)."""
+        `every_position` what `VerifiedBlock.kept` needs to give the state after any of its positions). A draft
+        tree's block (`tree`, with `every_position`): each entry as the last token of a chain over its path."""
         with jax.named_scope("gated_deltanet"):
-            q, k, v, g, beta, z, window = self._rule_inputs(x, state)
-            core, recurrent = recurrent_delta_rule(q, k, v, g, beta, state.recurrent, final=not every_position)
+            q, k, v, g, beta, z, window = self._rule_inputs(x, state, tree)
+            if tree is None:
+                core, recurrent = recurrent_delta_rule(q, k, v, g, beta, state.recurrent, final=not every_position)
+            else:
+                core = tree_delta_rule(q, k, v, g, beta, state.recurrent, tree)
             b, t = x.shape[:2]
             width = self.cfg.conv_kernel - 1
             output = self._output(core, z, x.dtype)

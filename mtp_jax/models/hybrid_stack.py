@@ -38,18 +38,18 @@ class DeltaNetLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, state: DeltaNetState, lengths, recurrent: str, invariant: bool = False):
+    def __call__(self, x, state: DeltaNetState, lengths, recurrent: str, invariant: bool = False, tree=None):
         """x [B, T, D] -> (x, the state `recurrent` names: after each row's `lengths` tokens ("chunked"), what
         gives the state after any position ("every_state": a VerifiedBlock), after the last position
         ("last_state")). `invariant`: the MLP's batch-invariant form (the delta rule's sums are each row's own in
-        every form)."""
+        every form). `tree`: a draft tree's block (a BlockTree; "every_state")."""
         x = constrain(x, HIDDEN)
         normed = self.input_norm(x)
         with jax.named_scope("attention"):
             if recurrent == "chunked":
                 out, state = self.attn.prefill(normed, state, lengths)
             else:
-                out, state = self.attn.verify(normed, state, every_position=recurrent == "every_state")
+                out, state = self.attn.verify(normed, state, every_position=recurrent == "every_state", tree=tree)
         x = x + constrain(out, HIDDEN)
         with jax.named_scope("mlp"):
             x = x + constrain(self.mlp(self.post_attention_norm(x), invariant=invariant), HIDDEN)
@@ -105,11 +105,17 @@ class GroupStack(nnx.Module):
         )
         return GroupCache(members=members, attention=attention).constrained()
 
-    def __call__(self, x, positions, rope, cache: GroupCache, lengths=None, recurrent: str = "chunked"):
+    def __call__(
+        self, x, positions, rope, cache: GroupCache, lengths=None, recurrent: str = "chunked", block_tree=None
+    ):
         """x [B, T, D] through every repeat of the group; returns (x, the cache after these tokens: attention entries
-        written at `positions`, DeltaNet states as the `recurrent` form gives them)."""
+        written at slots positions[:, 0] onwards, DeltaNet states as the `recurrent` form gives them). A draft
+        tree's block (`block_tree`, a BlockTree: positions go by depth) takes the "every_state" form."""
         if recurrent not in RECURRENT_FORMS:
             raise ValueError(f"recurrent form {recurrent!r}: expected one of {', '.join(RECURRENT_FORMS)}")
+        if block_tree is not None and recurrent != "every_state":
+            raise ValueError(f"a draft tree's block keeps what gives every entry's state, not {recurrent!r}")
+        block_mask = None if block_tree is None else block_tree.mask
         past = cache.constrained().members
         attention = cache.attention
         # DeltaNet states are scanned over (each repeat reads its whole state); attention caches are read in place.
@@ -121,11 +127,11 @@ class GroupStack(nnx.Module):
             for j, (kind, layer) in enumerate(zip(self.kinds, layers, strict=True)):
                 with jax.named_scope(f"layer_{j}"):
                     if kind.attention == "deltanet":
-                        x, state = layer(x, repeat_states[j], lengths, recurrent, attention == "invariant")
+                        x, state = layer(x, repeat_states[j], lengths, recurrent, attention == "invariant", block_tree)
                         new.append(state)
                     else:
                         keys, values = layer_entries(past[j].k, repeat), layer_entries(past[j].v, repeat)
-                        x, k, v = layer(x, positions, rope, keys, values, attention=attention)
+                        x, k, v = layer(x, positions, rope, keys, values, attention=attention, block_mask=block_mask)
                         new.append((k, v))
             return x, tuple(new)
 

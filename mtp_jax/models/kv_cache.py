@@ -62,7 +62,11 @@ def write_slots(cache: jax.Array, entries: jax.Array, positions: jax.Array) -> j
 def move_slots(cache, start: jax.Array, picks: jax.Array, span: int):
     """An attention cache (KVCache or LatentCache) whose slots start[b] + j, j < T, hold what slots
     start[b] + picks[b, j] held (start [B]; picks [B, T], each in [0, span)): a draft tree's accepted path moved to
-    consecutive slots. Reads `span` slots and writes T per row and layer."""
+    consecutive slots. Reads `span` slots and writes T per row and layer. A layer group's cache (GroupCache): its
+    attention members' (its DeltaNet states are not by slot)."""
+    if isinstance(cache, GroupCache):
+        members = [m if isinstance(m, DeltaNetState) else move_slots(m, start, picks, span) for m in cache.members]
+        return cache.replace(members=tuple(members)).constrained()
 
     def moved(stacked: jax.Array) -> jax.Array:  # [L, B, S, ...]
         window = min(stacked.shape[2], span)
@@ -275,14 +279,20 @@ class GroupCache:
 
         return self.replace(members=tuple(pin(entry) for entry in self.members))
 
-    def keep_verified(self, before: GroupCache, accepted: jax.Array, active: jax.Array) -> GroupCache:
+    def keep_verified(
+        self, before: GroupCache, accepted: jax.Array, active: jax.Array, path: jax.Array | None = None
+    ) -> GroupCache:
         """After a verify pass: each DeltaNet keeps, per row, the state after block position accepted[b] ([B] int),
-        and rows not active ([B] bool) their state from `before` exactly; attention entries are kept as written."""
+        and rows not active ([B] bool) their state from `before` exactly; attention entries are kept as written. A
+        draft tree's block: the states along `path` [B, D+1] (its accepted path's entries by depth)."""
+
+        def kept(block: VerifiedBlock, prior: DeltaNetState) -> DeltaNetState:
+            return (block if path is None else block.along(path)).kept(prior, accepted, active)
 
         def keep(entry, old):
             if not isinstance(entry, VerifiedBlock):
                 return entry
-            return jax.vmap(lambda block, prior: block.kept(prior, accepted, active))(entry, old)
+            return jax.vmap(kept)(entry, old)
 
         return self.replace(members=tuple(keep(e, o) for e, o in zip(self.members, before.members, strict=True)))
 

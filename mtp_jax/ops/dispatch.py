@@ -69,7 +69,7 @@ class Implementation:
     """A way to run products (`run(equation, x, weight, out_dtype)`), attention (`run(...)`, the operands of
     `cache_attention.grouped_attention`), a pass's routed experts (`run(x, weights, ids, layer, gate, up,
     down)`, kernels/routed_kernel.py, kernels/grouped_kernel.py) or the delta rule (`run(q, k, v, g, beta, state,
-    steps, final)`, kernels/delta_rule_kernel.py), taken where `accepts(numerics, ...)` says yes."""
+    steps, final, parents=None)`, kernels/delta_rule_kernel.py), taken where `accepts(numerics, ...)` says yes."""
 
     name: str
     accepts: Callable[..., bool]

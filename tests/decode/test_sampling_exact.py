@@ -121,7 +121,8 @@ def marginal_total_variation(samples: np.ndarray, probs: np.ndarray) -> float:
 
 # The adaptive case's costs make its policy draft 3 in the first round and rest (plain steps without the MTP layer)
 # in the others.
-# k = 2 runs on the hybrid trunk: the same exactness with rejected drafts rolled back in recurrent states.
+# k = 2 runs on the hybrid trunk: the same exactness with rejected drafts rolled back in recurrent states; so does a
+# tree of depth 2 (each node's state a chain's over its path).
 # Draft trees (num_draft its depth; (node budget, width)): a branchy one, and one over the draft vocabulary's subset;
 # adaptive with a tree: its first round a tree's, then rests.
 @pytest.mark.parametrize(
@@ -129,7 +130,7 @@ def marginal_total_variation(samples: np.ndarray, probs: np.ndarray) -> float:
     [
         (0, 0, None, False, None), (1, 0, None, False, None), (2, 0, None, True, None), (3, 0, None, False, None),
         (3, 4, None, False, None), (3, 0, (1.0, 1.5, 1.6, 1.7), False, None), (3, 0, None, False, (8, 3)),
-        (2, 4, None, False, (5, 2)), (3, 0, (1.0, 1.5, 1.6, 1.7, 1.75), False, (8, 3)),
+        (2, 4, None, False, (5, 2)), (3, 0, (1.0, 1.5, 1.6, 1.7, 1.75), False, (8, 3)), (2, 0, None, True, (5, 2)),
     ],
 )  # fmt: skip
 def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_size, round_costs, hybrid, tree):

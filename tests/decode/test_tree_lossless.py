@@ -1,6 +1,7 @@
-"""Draft trees are lossless: greedy decoding with a tree gives plain greedy's tokens (k = 0) on every attention-only
-family's tiny config, mixed prompt lengths, EOS mid-batch, budgets that end inside a tree; the committed caches hold
-the values a plain prefill of the same tokens writes; the accepted path is the walk a reference in Python takes."""
+"""Draft trees are lossless: greedy decoding with a tree gives plain greedy's tokens (k = 0) on every family's tiny
+config (hybrid trunks also in tests/decode/test_hybrid_lossless.py), mixed prompt lengths, EOS mid-batch, budgets that
+end inside a tree; the committed caches hold the values a plain prefill of the same tokens writes; the accepted path
+is the walk a reference in Python takes."""
 
 from __future__ import annotations
 
@@ -119,18 +120,14 @@ def _family_model(family: str):
     return mtp_jax.CausalLM(cfg.replace(eos_token_ids=(5,)), rngs=nnx.Rngs(4))
 
 
-ATTENTION_FAMILIES = sorted(
-    name
-    for name, hf in tiny_configs().items()
-    if model_config_from_hf(hf).has_mtp and not model_config_from_hf(hf).is_hybrid
-)
+MTP_FAMILIES = sorted(name for name, hf in tiny_configs().items() if model_config_from_hf(hf).has_mtp)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
-def test_every_attention_family(family):
-    """Random tiny configs of every family with an MTP head and an attention-only trunk (GQA with and without biases
-    and q/k norms, partial rotary, latent attention, routed experts)."""
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_every_family(family):
+    """Random tiny configs of every family with an MTP head (GQA with and without biases and q/k norms, partial
+    rotary, latent attention, routed experts, hybrid gated DeltaNet and gated attention trunks)."""
     model = _family_model(family)
     ids = PROMPTS % model.config.vocab_size
     plain = _decode(model, ids, PROMPT_LENS, 24, num_draft=0)

@@ -16,7 +16,8 @@ import pytest
 import mtp_jax
 from mtp_jax.decode import speculative
 from mtp_jax.kernels import delta_rule_kernel as kernel_module
-from mtp_jax.models.gated_deltanet import recurrent_delta_rule
+from mtp_jax.models.block_tree import BlockTree
+from mtp_jax.models.gated_deltanet import recurrent_delta_rule, tree_delta_rule
 from mtp_jax.ops import dispatch
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import planning, shapes, topology
@@ -66,6 +67,25 @@ def test_kernel_matches_the_scan(tokens, block_bytes, monkeypatch):
     close(out_only, want_out)
 
 
+@pytest.mark.parametrize("block_bytes", [kernel_module.STATE_BLOCK_BYTES, 16 * 128 * 4])
+def test_a_tree_block_matches_the_replay_of_each_path(block_bytes, monkeypatch):
+    """A draft tree's block (row 0 a branchy tree, row 1 a chain, row 2 the root's children only): each entry's
+    output, its state continuing its parent's in VMEM, against XLA's replay of every entry's path from the root
+    (`tree_delta_rule` without the kernel, itself checked against transformers); the chain's parents in place of
+    the tree's give other outputs, so the comparison sees the parents."""
+    monkeypatch.setattr(kernel_module, "STATE_BLOCK_BYTES", block_bytes)
+    parents = jnp.array([[0, 0, 0, 1, 1, 2, 4, 3], [0, 0, 1, 2, 3, 4, 5, 6], [0] * 8], jnp.int32)
+    tree = BlockTree.of(parents, 7)
+    q, k, v, g, beta, state = rule_inputs(5, 3, 8, 4, 16, 128)
+    run = jax.jit(kernel_module.delta_rule_kernel, static_argnames=("final", "interpret"))
+    out, none = run(q, k, v, g, beta, state, final=False, interpret=True, parents=tree.parents)
+    assert none is None
+    want = tree_delta_rule(q, k, v, g, beta, state, tree)
+    close(out, want)
+    as_chain = run(q, k, v, g, beta, state, final=False, interpret=True, parents=parents[1:2].repeat(3, 0))[0]
+    assert not np.allclose(np.asarray(as_chain[0]), np.asarray(want[0]), rtol=1e-3, atol=1e-4)
+
+
 def test_a_kernel_that_drops_the_decay_fails_the_comparison():
     """The comparison above can fail: the kernel run with no decay (g = 0) against the scan with it is off."""
     q, k, v, g, beta, state = rule_inputs(0, 2, 4, 2, 16, 128)
@@ -90,14 +110,15 @@ def test_the_dispatch_takes_the_kernel_only_where_it_is_available(monkeypatch):
 def test_greedy_mtp_through_the_kernel_equals_plain(monkeypatch):
     """A tiny hybrid trunk (gated DeltaNet + gated attention), batch 4 of mixed prompt lengths, EOS mid-batch:
     with every delta rule through the kernel (Pallas' interpreter, made available on this CPU), MTP decoding with 1
-    and 3 drafts a round gives plain decoding's tokens through the kernel, which are XLA's."""
+    and 3 drafts a round, and with a draft tree (each node's state continuing its parent's in the kernel), gives
+    plain decoding's tokens through the kernel, which are XLA's."""
     model = predictable_hybrid_model(6)
     lens = np.array([1, 7, 4, 10], np.int32)
     prompts = padded_prompts(0, lens, 24)
 
-    def decode(k: int):
+    def decode(k: int, **settings):
         jax.clear_caches()
-        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=48)
+        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=48, **settings)
         out = mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg)
         return np.asarray(out.tokens), np.asarray(out.lengths)
 
@@ -108,21 +129,21 @@ def test_greedy_mtp_through_the_kernel_equals_plain(monkeypatch):
     monkeypatch.setattr(kernel_module, "delta_rule_kernel", lambda *a, **kw: ran.append(1) or run(*a, **kw))
     plain = decode(0)
     assert ran
-    for k in (1, 3):
-        for got, want in zip(decode(k), plain, strict=True):
+    for k, settings in ((1, {}), (3, {}), (3, {"tree": 8, "tree_width": 3})):
+        for got, want in zip(decode(k, **settings), plain, strict=True):
             np.testing.assert_array_equal(got, want)
     for got, want in zip(plain, by_xla, strict=True):
         np.testing.assert_array_equal(got, want)
 
 
-def hybrid_round_hlo(head_dim: int) -> str:
-    """The compiled MTP round (k = 3, batch 8) of qwen3.5-tiny with gated-DeltaNet head dims `head_dim`, for 4 TPU
-    v5e chips (data=1, model=4)."""
+def hybrid_round_hlo(head_dim: int, tree: int = 0) -> str:
+    """The compiled MTP round (k = 3, batch 8; a draft tree of `tree` nodes) of qwen3.5-tiny with gated-DeltaNet
+    head dims `head_dim`, for 4 TPU v5e chips (data=1, model=4)."""
     cfg = shapes.shape("qwen3.5-tiny")
     linear = dataclasses.replace(cfg.linear_attention, key_head_dim=head_dim, value_head_dim=head_dim)
     cfg = cfg.replace(linear_attention=linear)
     rules = sharding.ShardingRules(sharding.make_mesh("data=1,model=4", topology.resolve("v5e:2x2").devices))
-    work = planning.Workload(batch=8, prompt_len=16, max_new_tokens=32, num_draft=3)
+    work = planning.Workload(batch=8, prompt_len=16, max_new_tokens=32, num_draft=3, tree=tree, tree_width=3)
     model = planning.abstract_model(cfg, jnp.bfloat16, rules)
     state = planning.start_state(model, work, 3)
     return planning.round_program(model, work, 3, state, planning.compile_round(model, work, 3, state))
@@ -140,3 +161,15 @@ def test_a_tpu_round_runs_the_kernel_and_keeps_no_state_per_position():
     per_position = re.compile(r"f32\[(\d+,)*4,\d+,128,128\]")  # [..., T, N, H, Y]
     assert not per_position.search(hlo), per_position.search(hlo).group(0)
     assert kernel_module.KERNEL_NAME not in hybrid_round_hlo(64)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+def test_a_tpu_tree_round_keeps_its_nodes_states_in_the_kernel():
+    """A draft tree's round (8 nodes) compiled for the TPU topology: its verify block's delta rules are the kernel's
+    (each node's state continuing its parent's in VMEM), and no buffer holds a state per block entry, neither
+    [..., 9, N, H, Y] nor the replay's [8 x 9 rows, N, H, Y]."""
+    hlo = hybrid_round_hlo(128, tree=8)
+    assert kernel_module.KERNEL_NAME in hlo[hlo.index(speculative.DECODE_LOOP) :]
+    per_entry = re.compile(r"f32\[((\d+,)*9|72),\d+,128,128\]")
+    assert not per_entry.search(hlo), per_entry.search(hlo).group(0)

@@ -1,9 +1,12 @@
 """The gated DeltaNet layer (Qwen3-Next fused projections, Qwen3.5 split ones) against transformers' PyTorch modules
 on tiny random configs, float32: the chunked and recurrent delta rules against transformers' reference functions,
 the whole layer without a cache, cached decode token by token (outputs and conv / recurrent states), the per-position
-states of a verify block, continuing a prefill, and right-padded prefill rows."""
+states of a verify block, a draft tree's block (each node against torch decoding its path token by token),
+continuing a prefill, and right-padded prefill rows."""
 
 from __future__ import annotations
+
+import copy
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
 
 from mtp_jax.families import qwen_hybrid_layout as layout
+from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.gated_deltanet import (
     CHUNK,
     DeltaNetState,
@@ -114,6 +118,11 @@ def _prefill(layer: GatedDeltaNet, x, state, lengths):
 @nnx.jit(static_argnums=3)
 def _verify(layer: GatedDeltaNet, x, state, every_position: bool):
     return layer.verify(x, state, every_position)
+
+
+@nnx.jit
+def _verify_tree(layer: GatedDeltaNet, x, state, tree: BlockTree):
+    return layer.verify(x, state, True, tree)
 
 
 @jax.jit
@@ -234,3 +243,68 @@ def test_right_padded_prefill_keeps_each_rows_state(layers):
         conv, recurrent = _hf_state(cache)
         _close(state.conv[row], conv[0])
         _close(state.recurrent[row], recurrent[0])
+
+
+# A tree of 8 entries, 3 deep: the root's children 1 and 2, 1's children 3 and 4, 2's child 5, 4's child 6, 3's
+# child 7 (entry 0, the root, names itself).
+TREE_PARENTS = (0, 0, 0, 1, 1, 2, 4, 3)
+
+
+def _path(entry: int) -> list[int]:
+    path = [entry]
+    while path[-1]:
+        path.append(TREE_PARENTS[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.slow
+def test_a_draft_trees_block_is_each_nodes_path_decoded(layers):
+    """After a prefill of 9 tokens (torch's cache and ours), a tree block: each entry's output is torch's output at
+    the last token of its path from the root decoded token by token, and the state kept along an accepted path
+    (`VerifiedBlock.along`, then `kept`) is torch's after that path, the conv state included (paths shorter and
+    longer than the conv window)."""
+    hf_cfg, hf_layer, ours, cfg = layers
+    prompt, entries = 9, len(TREE_PARENTS)
+    x = normal_inputs(5, (2, prompt + entries, HIDDEN))
+    cache = DynamicCache(config=hf_cfg)
+    with torch.no_grad():
+        hf_layer(x[:, :prompt], cache_params=cache)
+    _, state = _prefill(ours, _j(x[:, :prompt]), DeltaNetState.zeros(2, cfg, jnp.float32), jnp.array([prompt] * 2))
+    parents = jnp.broadcast_to(jnp.array(TREE_PARENTS, jnp.int32), (2, entries))
+    tree = BlockTree.of(parents, 3)
+    out, block = _verify_tree(ours, _j(x[:, prompt:]), state, tree)
+    both = jnp.array([True, True])
+    for entry in range(entries):
+        path = _path(entry)
+        walk = copy.deepcopy(cache)
+        with torch.no_grad():
+            for node in path:
+                ref_out = hf_layer(x[:, prompt + node : prompt + node + 1], cache_params=walk)
+        _close(out[:, entry], ref_out[:, 0])
+        padded = jnp.array(path + [0] * (4 - len(path)), jnp.int32)
+        kept = _kept(block.along(jnp.broadcast_to(padded, (2, 4))), state, jnp.array([len(path) - 1] * 2), both)
+        conv, recurrent = _hf_state(walk)
+        _close(kept.conv, conv)
+        _close(kept.recurrent, recurrent)
+
+
+def test_block_tree_paths_and_conv_taps_follow_each_entrys_ancestors():
+    """`BlockTree.of` against a walk up the parents, per row (row 1 a chain): each entry's depth, its ancestors (the
+    mask), its path by depth; and the conv taps of a chain are a causal conv's (window offsets t .. t + W-1)."""
+    chain = tuple(max(i - 1, 0) for i in range(len(TREE_PARENTS)))
+    parents = jnp.array([TREE_PARENTS, chain], jnp.int32)
+    tree = BlockTree.of(parents, len(TREE_PARENTS) - 1)
+    width = 4
+    taps = np.asarray(tree.conv_taps(width))
+    for row, row_parents in enumerate((TREE_PARENTS, chain)):
+        for entry in range(len(row_parents)):
+            path = [entry]
+            while path[-1]:
+                path.append(row_parents[path[-1]])
+            path = path[::-1]
+            assert tree.depths[row, entry] == len(path) - 1
+            np.testing.assert_array_equal(np.flatnonzero(np.asarray(tree.mask[row, entry])), sorted(path))
+            np.testing.assert_array_equal(np.asarray(tree.paths[row, entry, : len(path)]), path)
+            window = [*range(width - 1), *(width - 1 + p for p in path)]  # the state's inputs, then the path's
+            np.testing.assert_array_equal(taps[row, entry], window[-width:])
+    np.testing.assert_array_equal(taps[1], np.arange(len(chain))[:, None] + np.arange(width))

@@ -171,15 +171,19 @@ def test_adaptive_rounds_on_a_mesh(report):
 @pytest.mark.slow
 @pytest.mark.multidevice
 def test_draft_trees_on_a_mesh(report):
-    """Draft trees over rows on `data` and heads on `model` (GQA), and with latent attention and routed experts over
-    `expert` (DeepSeek-V3): plain decoding's tokens (the tree's path moved to consecutive slots on every shard)."""
+    """Draft trees over rows on `data` and heads on `model` (GQA), with latent attention and routed experts over
+    `expert` (DeepSeek-V3), and on the hybrid trunk's data=2,model=4 (through XLA's delta rule and through the kernel):
+    plain decoding's tokens (the tree's path moved to consecutive slots on every shard, each node's DeltaNet state a
+    chain's over its path)."""
     for run, reference in (
         (report["tree"], report["reference"]["0"]),
         (report["moe_tree"], report["moe"]["reference"]),
+        (report["hybrid_tree"], report["hybrid"]["reference"]),
+        (report["hybrid_kernel_tree"], report["hybrid"]["reference"]),
     ):
         assert (run["tokens"], run["lengths"]) == (reference["tokens"], reference["lengths"])
         assert run["tokens_spec"][0] == "data"
-    assert report["tree"]["accepted"] > 0
+    assert report["tree"]["accepted"] > 0 and report["hybrid_tree"]["accepted"] > 0
 
 
 @pytest.mark.slow

@@ -166,14 +166,15 @@ def mesh_report(model, spec: str, k: int) -> dict:
     }
 
 
-def delta_rule_kernel_report(model, spec: str, k: int) -> dict:
-    """`model` decoded with k drafts on mesh `spec` with the delta-rule kernel made available (Pallas' interpreter on
-    these CPU devices): its outputs, and its program's shard_map calls (the kernel runs per shard)."""
+def delta_rule_kernel_report(model, spec: str, k: int, **settings) -> dict:
+    """`model` decoded with k drafts (and DecodeConfig `settings`) on mesh `spec` with the delta-rule kernel made
+    available (Pallas' interpreter on these CPU devices): its outputs, and its program's shard_map calls (the kernel
+    runs per shard)."""
     available = dispatch._AVAILABLE[delta_rule_kernel.NAME]
     dispatch._AVAILABLE[delta_rule_kernel.NAME] = lambda platform: True
     jax.clear_caches()  # generate's programs traced before, without the kernel, are not reused
     try:
-        result, _ = decode(sharding.shard_model(model, sharding.make_mesh(spec)), k)
+        result, _ = decode(sharding.shard_model(model, sharding.make_mesh(spec)), k, **settings)
     finally:
         dispatch._AVAILABLE[delta_rule_kernel.NAME] = available
         jax.clear_caches()
@@ -389,6 +390,9 @@ def meshes_report(workdir: str) -> dict:
     report["moe_tree"], _ = decode(sharding.shard_model(moe_model, sharding.make_mesh(MOE_MESH)), 2, tree=6)
     report["hybrid"] = mesh_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
     report["hybrid_kernel"] = delta_rule_kernel_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
+    hybrid_mesh = sharding.make_mesh(HYBRID_MESH)
+    report["hybrid_tree"], _ = decode(sharding.shard_model(predictable_hybrid_model(6), hybrid_mesh), 2, tree=6)
+    report["hybrid_kernel_tree"] = delta_rule_kernel_report(predictable_hybrid_model(6), HYBRID_MESH, 2, tree=6)
 
     try:
         mtp_jax.generate(sharding.shard_model(model, sharding.make_mesh("data=4,model=2")), IDS[:6], LENS[:6], None)
