@@ -26,7 +26,8 @@ token x_n sits at position n (the root):
 
 Hybrid trunks (gated DeltaNet): in the verify pass each node's recurrent state is a chain's over its path from the
 root (models/block_tree.py; a state per node in flight, one layer at a time); the block keeps its inputs, and once
-the path is known each row's state is replayed over it, as after a chain's verify.
+the path is known each row's state is replayed over it, as after a chain's verify, and the path's attention entries
+are written at consecutive slots (those layers' entries for the tree are not written first and moved).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from mtp_jax.decode.rounds import Drafts, Round, RoundContext, Verdict, catch_up
 from mtp_jax.decode.sampling import probabilities, sample
 from mtp_jax.models.block_tree import BlockTree, ancestry, block_depths
 from mtp_jax.models.causal_lm import CausalLM
-from mtp_jax.models.kv_cache import move_slots
+from mtp_jax.models.kv_cache import GroupCache, move_slots
 from mtp_jax.ops import dispatch
 
 
@@ -185,9 +186,12 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
         keys = jax.vmap(lambda key: jax.random.split(key, budget + 1))(round_keys(s.row_keys, s.num_generated, 1))
         picks = jax.vmap(jax.vmap(sample))(keys, probabilities(logits, ctx.sampling))  # [B, N+1]
     accepted, token, path = accepted_path(tree.tokens, parents, picks, depth)
-    if hybrid:  # the states after the path (`commit` finds no block left to replay)
+    if hybrid:  # states after the path, its attention entries written in place (`commit` finds nothing to keep)
         cache = model.keep_verified(s.cache, cache, accepted, ~s.done, path)
-    cache = tuple(move_slots(segment, s.position, path, budget + 1) for segment in cache)
+    moved = lambda segment: (
+        segment if isinstance(segment, GroupCache) else move_slots(segment, s.position, path, budget + 1)
+    )
+    cache = tuple(moved(segment) for segment in cache)
     path_hidden = jnp.take_along_axis(hidden, path[..., None], axis=1)  # [B, D+1, D]
     verdict = Verdict(accepted, token, path_hidden, cache, None)
     return TreeVerdict(verdict, jnp.take_along_axis(inputs, path[:, 1:], axis=1))

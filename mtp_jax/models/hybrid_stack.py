@@ -20,7 +20,7 @@ from mtp_jax.config.model import LayerKind, ModelConfig
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import checked_attention, layer_entries
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
-from mtp_jax.models.kv_cache import GroupCache, KVCache, deltanet_states, write_slots
+from mtp_jax.models.kv_cache import GroupCache, KVCache, TreeEntries, deltanet_states, write_slots
 from mtp_jax.models.layers import DecoderLayer, model_norm
 from mtp_jax.ops import dispatch, loops
 from mtp_jax.ops.stacked_weights import layer_parameters, split_stack, stack_split_of
@@ -110,7 +110,8 @@ class GroupStack(nnx.Module):
     ):
         """x [B, T, D] through every repeat of the group; returns (x, the cache after these tokens: attention entries
         written at slots positions[:, 0] onwards, DeltaNet states as the `recurrent` form gives them). A draft
-        tree's block (`block_tree`, a BlockTree: positions go by depth) takes the "every_state" form."""
+        tree's block (`block_tree`, a BlockTree: positions go by depth) takes the "every_state" form, its attention
+        entries held apart (TreeEntries) until `GroupCache.keep_verified` writes the accepted path's."""
         if recurrent not in RECURRENT_FORMS:
             raise ValueError(f"recurrent form {recurrent!r}: expected one of {', '.join(RECURRENT_FORMS)}")
         if block_tree is not None and recurrent != "every_state":
@@ -154,6 +155,8 @@ class GroupStack(nnx.Module):
         for kind, old, entry in zip(self.kinds, past, new, strict=True):
             if kind.attention == "deltanet":
                 members.append(entry)
+            elif block_tree is not None:  # written along the accepted path by `GroupCache.keep_verified`
+                members.append(TreeEntries(k=entry[0], v=entry[1], start=positions[:, 0]))
             else:
                 k, v = entry
                 members.append(old.replace(k=write_slots(old.k, k, positions), v=write_slots(old.v, v, positions)))

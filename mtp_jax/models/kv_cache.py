@@ -62,11 +62,7 @@ def write_slots(cache: jax.Array, entries: jax.Array, positions: jax.Array) -> j
 def move_slots(cache, start: jax.Array, picks: jax.Array, span: int):
     """An attention cache (KVCache or LatentCache) whose slots start[b] + j, j < T, hold what slots
     start[b] + picks[b, j] held (start [B]; picks [B, T], each in [0, span)): a draft tree's accepted path moved to
-    consecutive slots. Reads `span` slots and writes T per row and layer. A layer group's cache (GroupCache): its
-    attention members' (its DeltaNet states are not by slot)."""
-    if isinstance(cache, GroupCache):
-        members = [m if isinstance(m, DeltaNetState) else move_slots(m, start, picks, span) for m in cache.members]
-        return cache.replace(members=tuple(members)).constrained()
+    consecutive slots. Reads `span` slots and writes T per row and layer."""
 
     def moved(stacked: jax.Array) -> jax.Array:  # [L, B, S, ...]
         window = min(stacked.shape[2], span)
@@ -254,11 +250,29 @@ def deltanet_states(num_layers: int, batch: int, cfg: ModelConfig, dtype) -> Del
 
 
 @struct.dataclass
+class TreeEntries:
+    """An attention member's keys and values [R, B, T, K, H] for a draft tree's block, not yet in the cache: once the
+    accepted path is known, `GroupCache.keep_verified` writes the path's at consecutive slots from `start` [B] (the
+    block's attention reads them from the block, so nothing of the tree is written, then moved)."""
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array
+
+    def written_along(self, cache: KVCache, path: jax.Array) -> KVCache:
+        """`cache` with the entries of `path` [B, P] (block entries by depth) at slots start .. start + P - 1."""
+        slots = self.start[:, None] + jnp.arange(path.shape[1])
+        take = lambda a: jnp.take_along_axis(a, path[None, :, :, None, None], axis=2)
+        return cache.replace(k=write_slots(cache.k, take(self.k), slots), v=write_slots(cache.v, take(self.v), slots))
+
+
+@struct.dataclass
 class GroupCache:
     """The caches of a repeated layer group (models/hybrid_stack.py), one entry per layer of the group, each stacked
     over the R repeats: KVCache [R, B, S, K, H] for an attention layer, DeltaNetState (conv [R, B, W-1, C],
     recurrent [R, B, N, H, Y]) for a gated DeltaNet. Right after a verify pass, the DeltaNet entries are
-    `VerifiedBlock`s [R, B, T, ...] (the block's inputs) until `keep_verified`."""
+    `VerifiedBlock`s [R, B, T, ...] (the block's inputs) until `keep_verified`; after a draft tree's, the attention
+    entries are `TreeEntries` until then too."""
 
     members: tuple
     attention: str = struct.field(pytree_node=False, default="one_pass")  # its attention members' form
@@ -290,6 +304,8 @@ class GroupCache:
             return (block if path is None else block.along(path)).kept(prior, accepted, active)
 
         def keep(entry, old):
+            if isinstance(entry, TreeEntries):
+                return entry.written_along(old, path)
             if not isinstance(entry, VerifiedBlock):
                 return entry
             return jax.vmap(kept)(entry, old)
