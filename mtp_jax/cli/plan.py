@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens-per-round", type=float, metavar="T", help="a measured mean accepted length (tokens "
                         "per verify round, e.g. decode's stats) to project with, in place of the per-position "
                         "acceptance's chain estimate (which stands in for a tree's)")  # fmt: skip
+    parser.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        metavar="N",
+        help="plan the MTP head as drafting from N token ids (a head trained by `train_head --draft-vocab N`; "
+        "default: the model's)",
+    )
     parser.add_argument("--capacity-gib", type=float, help="memory per device (default: the chip's HBM)")
     parser.add_argument("--json", help="write the plan(s) as JSON here")
     parser.add_argument("--markdown", help="write the plan table as markdown here")
@@ -87,9 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_config(args):
     if args.random_shape:
-        return shapes.shape(args.random_shape), args.random_shape
-    config = shapes.config_from_path(local_path(args.model, files=["config.json"]))  # a repo id: its config only
-    return config, os.path.basename(os.path.normpath(args.model))
+        config, name = shapes.shape(args.random_shape), args.random_shape
+    else:
+        config = shapes.config_from_path(local_path(args.model, files=["config.json"]))  # a repo id: its config only
+        name = os.path.basename(os.path.normpath(args.model))
+    if args.draft_vocab is None:
+        return config, name
+    if not config.has_mtp:
+        raise UserError(f"--draft-vocab: {name} has no MTP head to draft with")
+    if args.draft_vocab > config.vocab_size:
+        raise UserError(f"--draft-vocab {args.draft_vocab} is more than {name}'s {config.vocab_size} tokens")
+    return config.replace(mtp=dataclasses.replace(config.mtp, draft_vocab_size=args.draft_vocab)), name
 
 
 def candidate_meshes(spec: str, target, cfg, batch: int) -> list[str]:
@@ -207,6 +222,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
         "num_draft": k,
         "tree": work.tree if k else 0,
         "tree_width": work.tree_width,
+        "draft_vocab": cfg.mtp.draft_vocab_size if cfg.has_mtp else 0,
         "weights": args.dtype if args.weights == "auto" else args.weights,
         "layer_layout": layout,
         "compile_seconds": round(memory.pop("compile_seconds"), 1),

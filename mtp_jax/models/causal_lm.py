@@ -26,7 +26,7 @@ from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_in
 from mtp_jax.ops import dispatch, loops
 from mtp_jax.ops.rowwise import project
 from mtp_jax.ops.stacked_weights import layer_parameters, split_stack, stack_split_of
-from mtp_jax.parallel.sharding import HIDDEN, LOGITS, constrain, param_layouts
+from mtp_jax.parallel.sharding import DRAFT_HEAD, HIDDEN, LOGITS, constrain, param_layouts
 from mtp_jax.quant.fp8 import hold_float8_as_bits
 from mtp_jax.quant.matmul_axes import MatmulAxes, param_matmuls
 from mtp_jax.quant.quantized_array import is_quantized, take_columns, take_quantized_rows, take_rows
@@ -247,15 +247,18 @@ class CausalLM(nnx.Module):
 
     def draft_head(self) -> jax.Array | None:
         """Rows [Vd, D] of the draft vocabulary's output weights (the MTP layer's own head, else the lm_head), for a
-        decode loop to gather once rather than every draft step; None when drafts use the full vocabulary."""
+        decode loop to gather once rather than every draft step; None when drafts use the full vocabulary. On a
+        mesh split over the vocabulary as the lm_head is, so each draft pass reads a chip's share of them."""
         if self.draft_vocab is None:
             return None
         ids = self.draft_vocab[...]
         if self.mtp.head is not None:
-            return take_columns(self.mtp.head.get_value(), ids)
-        if self.lm_head is None:
-            return take_quantized_rows(self.embed.get_value(), ids)  # tied: the embedding's rows
-        return take_columns(self.lm_head.get_value(), ids)
+            rows = take_columns(self.mtp.head.get_value(), ids)
+        elif self.lm_head is None:
+            rows = take_quantized_rows(self.embed.get_value(), ids)  # tied: the embedding's rows
+        else:
+            rows = take_columns(self.lm_head.get_value(), ids)
+        return jax.tree.map(lambda a: constrain(a, DRAFT_HEAD), rows)  # a quantized head's values and scales alike
 
     def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Float32 MTP logits [..., Vd] over the draft vocabulary (all V ids when it has no subset). `head`: the

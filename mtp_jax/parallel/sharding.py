@@ -111,8 +111,9 @@ DELTANET_STATE = ("layers", "batch", "heads", None, None)  # [L, B, N, H, Y] ove
 DELTANET_BLOCK_INPUTS = ("batch", "seq", "mlp")  # [B, T, C] a verify block's conv inputs, as their projection gives
 HEAD_SCALARS = ("batch", "seq", "heads")  # [B, T, N] one value per head (the delta rule's decay and beta)
 LOGITS = ("batch", ..., "vocab")  # [B, ..., V]
+DRAFT_HEAD = ("vocab", None)  # [Vd, D] the draft vocabulary's output rows, split as the lm_head's vocabulary
 CONSTRAINED = (HIDDEN, KV, CACHE, LATENT_CACHE, HEADS, DELTANET_CONV, DELTANET_STATE, DELTANET_BLOCK_INPUTS,
-               HEAD_SCALARS, LOGITS)  # fmt: skip
+               HEAD_SCALARS, LOGITS, DRAFT_HEAD)  # fmt: skip
 
 
 def param_axes(variable, name: str) -> tuple[str | None, ...]:

@@ -122,7 +122,7 @@ def test_only_the_files_a_load_reads_are_fetched():
 
 
 def test_plan_reads_a_repo_ids_config(offline):
-    cfg, name = model_config(argparse.Namespace(random_shape=None, model="org/tiny@main"))
+    cfg, name = model_config(argparse.Namespace(random_shape=None, model="org/tiny@main", draft_vocab=None))
     written = offline[2].config
     assert name == "tiny@main"
     assert (

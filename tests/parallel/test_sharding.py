@@ -188,6 +188,17 @@ def test_draft_trees_on_a_mesh(report):
 
 @pytest.mark.slow
 @pytest.mark.multidevice
+def test_a_draft_vocabulary_on_a_mesh(report):
+    """An MTP head drafting from 16 token ids, its rows split over `model` as the lm_head's vocabulary: one device's
+    tokens with a chain and with a tree."""
+    run, reference = report["draft_vocab"]["run"], report["draft_vocab"]["reference"]
+    assert (run["tokens"], run["lengths"]) == (reference["tokens"], reference["lengths"])
+    tree = report["draft_vocab_tree"]
+    assert (tree["tokens"], tree["lengths"]) == (reference["tokens"], reference["lengths"])
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
 def test_latent_attention_and_experts_on_an_expert_mesh(report):
     """DeepSeek-V3 (MLA with query LoRA, 16 routed experts in trunk and MTP layer) on data=2,expert=2,model=2."""
     moe = report["moe"]

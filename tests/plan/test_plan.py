@@ -254,10 +254,29 @@ def test_plan_of_a_draft_tree_round(tmp_path, shape):
 
 @pytest.mark.slow
 @pytest.mark.tpu_compile
+def test_a_draft_vocabulary_shrinks_a_tree_rounds_reads(tmp_path):
+    """--draft-vocab N: the MTP passes draft from N token ids (the rows of the lm_head they read), so a tree round
+    reads less than with the whole vocabulary, and the plain step is the same program."""
+    common = ["--random-shape", "tiny", "--topology", "v5e:2x2", "--mesh", "data=1,model=4", "--max-new-tokens", "32",
+              "--prompt-len", "16", "--num-draft", "2", "--tree", "6", "--tree-width", "2"]  # fmt: skip
+    plans = {}
+    for name, extra in (("whole", []), ("subset", ["--draft-vocab", "64"])):
+        proc = run_plan(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    whole, subset = plans["whole"], plans["subset"]
+    assert (whole["draft_vocab"], subset["draft_vocab"]) == (0, 64)
+    assert subset["mtp_round"]["hbm_bytes"] < whole["mtp_round"]["hbm_bytes"]
+    assert subset["plain_step"]["hbm_bytes"] == whole["plain_step"]["hbm_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--topology", "v5e:2x2", "--tree", "2"], "holds at least 3 nodes"),
+        (["--topology", "v5e:2x2", "--draft-vocab", "100000000"], "more than"),
         (["--topology", "v7x:2x2"], "bad topology"),
         (["--topology", "gpu:8"], "JAX sees no GPU here"),  # gpu:N describes GPUs like an attached one
         (["--topology", "v5p:2x2x1", "--mesh", "data=3,model=1", "--max-new-tokens", "32"], "lay out here"),

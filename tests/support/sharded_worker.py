@@ -354,13 +354,17 @@ def slot_attention_report() -> dict:
     return {"errors": errors, "shards": {"gqa": int(gqa_shards), "latent": int(latent_shards)}}
 
 
+def drafting_model(cfg):
+    """A random model of `cfg` whose MTP head drafts from 16 token ids (a draft vocabulary)."""
+    drafting = mtp_jax.CausalLM(cfg.replace(mtp=MtpConfig(draft_vocab_size=16)), rngs=nnx.Rngs(7))
+    drafting.draft_vocab[...] = jnp.asarray(np.random.default_rng(7).permutation(cfg.vocab_size)[:16], jnp.int32)
+    return drafting
+
+
 def load_with_head(model, hf: str, head_dir: str, mesh) -> dict:
     """A head saved apart (with a draft vocabulary) attached while loading onto `mesh`, against attaching it to the
     model in memory and sharding the result."""
-    cfg = model.config.replace(mtp=MtpConfig(draft_vocab_size=16))
-    headed = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(7))
-    headed.draft_vocab[...] = jnp.asarray(np.random.default_rng(7).permutation(cfg.vocab_size)[:16], jnp.int32)
-    heads.save_head(headed, head_dir)
+    heads.save_head(drafting_model(model.config), head_dir)
     loaded = mtp_jax.load_model(hf, dtype=jnp.float32, mesh=mesh, head=head_dir)
     return same_placement(loaded, sharding.shard_model(heads.attach_head(model, head_dir), mesh))
 
@@ -390,6 +394,9 @@ def meshes_report(workdir: str) -> dict:
     report["moe_tree"], _ = decode(sharding.shard_model(moe_model, sharding.make_mesh(MOE_MESH)), 2, tree=6)
     report["hybrid"] = mesh_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
     report["hybrid_kernel"] = delta_rule_kernel_report(predictable_hybrid_model(6), HYBRID_MESH, 2)
+    drafting = drafting_model(model.config)
+    report["draft_vocab"] = mesh_report(drafting, ADAPTIVE_MESH, 2)
+    report["draft_vocab_tree"], _ = decode(sharding.shard_model(drafting, sharding.make_mesh(ADAPTIVE_MESH)), 2, tree=6)
     hybrid_mesh = sharding.make_mesh(HYBRID_MESH)
     report["hybrid_tree"], _ = decode(sharding.shard_model(predictable_hybrid_model(6), hybrid_mesh), 2, tree=6)
     report["hybrid_kernel_tree"] = delta_rule_kernel_report(predictable_hybrid_model(6), HYBRID_MESH, 2, tree=6)
