@@ -41,7 +41,7 @@ from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import LoopState, round_keys
 from mtp_jax.decode.rounds import Drafts, Round, RoundContext, Verdict, catch_up, commit, record
 from mtp_jax.decode.sampling import probabilities, sample
-from mtp_jax.models.block_tree import BlockTree, ancestry, block_depths
+from mtp_jax.models.block_tree import BlockTree, ancestry
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import GroupCache, move_slots
 from mtp_jax.ops import dispatch
@@ -185,7 +185,7 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     else:
         keys = jax.vmap(lambda key: jax.random.split(key, budget + 1))(round_keys(s.row_keys, s.num_generated, 1))
         picks = jax.vmap(jax.vmap(sample))(keys, probabilities(logits, ctx.sampling))  # [B, N+1]
-    accepted, token, path = accepted_path(tree.tokens, parents, picks, depth)
+    accepted, token, path = accepted_path(tree.tokens, block, picks)
     if hybrid:  # states after the path, its attention entries written in place (`commit` finds nothing to keep)
         cache = model.keep_verified(s.cache, cache, accepted, ~s.done, path)
     moved = lambda segment: (
@@ -197,23 +197,20 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     return TreeVerdict(verdict, jnp.take_along_axis(inputs, path[:, 1:], axis=1))
 
 
-def accepted_path(tokens: jax.Array, parents: jax.Array, picks: jax.Array, depth: int):
-    """The accepted path of a verified tree (the module's step 3): tokens [B, N] of the nodes, parents [B, N+1] of
-    the block's entries (the root, entry 0, its own), picks [B, N+1] the target's token at each entry, `depth` the
-    tree's. Returns (the path's depth a [B], the target's token at its end [B], the path's block entries by depth
-    [B, D+1], 0 past its end)."""
-    batch = tokens.shape[0]
-    matches = tokens == jnp.take_along_axis(picks, parents[:, 1:], axis=1)  # [B, N] each node is its parent's pick
-    on_path = jnp.ones((batch, tokens.shape[1] + 1), bool)
-    for _ in range(depth):
-        on_path = jnp.concatenate([on_path[:, :1], matches & jnp.take_along_axis(on_path, parents[:, 1:], 1)], 1)
-    depths = block_depths(parents, depth)  # [B, N+1]
-    end = jnp.argmax(jnp.where(on_path, depths, -1), axis=1)  # [B] the deepest entry on the path
-    accepted = jnp.take_along_axis(depths, end[:, None], axis=1)[:, 0]
+def accepted_path(tokens: jax.Array, block: BlockTree, picks: jax.Array):
+    """The accepted path of a verified tree (the module's step 3): tokens [B, N] of the nodes, `block` the verify
+    block's structure (the root, entry 0, then the nodes), picks [B, N+1] the target's token at each entry. Returns
+    (the path's depth a [B], the target's token at its end [B], the path's block entries by depth [B, D+1], its last
+    entry again past its end)."""
+    parents = block.parents[:, 1:]  # [B, N]
+    matches = tokens == jnp.take_along_axis(picks, parents, axis=1)  # [B, N] each node is its parent's pick
+    on_path = jnp.ones(picks.shape, bool)
+    for _ in range(block.depth):
+        on_path = jnp.concatenate([on_path[:, :1], matches & jnp.take_along_axis(on_path, parents, 1)], 1)
+    end = jnp.argmax(jnp.where(on_path, block.depths, -1), axis=1)  # [B] the deepest entry on the path
+    accepted = jnp.take_along_axis(block.depths, end[:, None], axis=1)[:, 0]
     token = jnp.take_along_axis(picks, end[:, None], axis=1)[:, 0]
-    lineage = jnp.take_along_axis(ancestry(parents, depth), end[:, None, None], axis=1)[:, 0]  # [B, N+1]
-    at_depth = lineage[:, None, :] & (depths[:, None, :] == jnp.arange(depth + 1)[None, :, None])  # [B, D+1, N+1]
-    return accepted, token, jnp.argmax(at_depth, axis=-1)
+    return accepted, token, jnp.take_along_axis(block.paths, end[:, None, None], axis=1)[:, 0]
 
 
 def run_tree_round(ctx: RoundContext, round_: Round, s: LoopState) -> LoopState:

@@ -19,6 +19,7 @@ from mtp_jax.decode.prefill import prefill
 from mtp_jax.decode.rounds import Round, RoundKind, draft, round_context
 from mtp_jax.decode.tree import accepted_path, draft_tree
 from mtp_jax.families.registry import model_config_from_hf, tiny_configs
+from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.kv_cache import cache_slots
 from mtp_jax.ops import dispatch
 from tests.support.prompts import MIXED_LENS as PROMPT_LENS
@@ -278,7 +279,9 @@ def test_accepted_path_is_the_reference_walk():
             depths.append(depths[parent] + 1)
             children.append([])
     picks = rng.integers(0, 4, (batch, nodes + 1)).astype(np.int32)
-    accepted, token, path = jax.tree.map(np.asarray, accepted_path(tokens, parents, picks, depth))
+    accepted, token, path = jax.tree.map(
+        np.asarray, accepted_path(tokens, BlockTree.of(jnp.asarray(parents), depth), picks)
+    )
     for b in range(batch):
         want_depth, want_token, want_path = _walk(tokens[b], parents[b], picks[b])
         assert (accepted[b], token[b]) == (want_depth, want_token), b
