@@ -32,7 +32,7 @@ def _is_expert(path) -> bool:
 
 
 def _is_mtp(path) -> bool:
-    return getattr(path[0], "key", None) in ("mtp", "draft_vocab")
+    return getattr(path[0], "key", None) == "mtp"
 
 
 def _shard(leaf) -> tuple[int, ...]:
@@ -45,16 +45,22 @@ def _bytes(leaf) -> int:
 
 def parts(model) -> dict[str, float]:
     """Bytes one device holds of the model, in parts: trunk / mtp dense weights, trunk / mtp expert weights, the
-    lm_head as a plain step reads it (the embedding when tied), and `local_experts` (E_local)."""
+    lm_head as a plain step reads it (the embedding when tied), the MTP layer's own head (`mtp_head`, 0 when it
+    drafts through the lm_head), and `local_experts` (E_local). Tables a pass gathers a few rows of (an untied trunk
+    embedding, the MTP layer's own, the draft vocabulary's ids) count as nothing."""
     params = nnx.to_pure_dict(nnx.split(model)[1])
     out = {"trunk_dense": 0.0, "mtp_dense": 0.0, "trunk_experts": 0.0, "mtp_experts": 0.0, "lm_head": 0.0}
+    out["mtp_head"] = 0.0
     local = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         top = getattr(path[0], "key", None)
-        if top == "embed" and model.lm_head is not None:
-            continue  # a plain step gathers B rows of an untied embedding
+        mtp_part = getattr(path[1], "key", None) if top == "mtp" and len(path) > 1 else None
+        if (top == "embed" and model.lm_head is not None) or mtp_part == "embed" or top == "draft_vocab":
+            continue  # a pass gathers rows of these (B tokens' embeddings; the draft ids of its picks)
         if top in ("embed", "lm_head"):
             out["lm_head"] += _bytes(leaf)
+        elif mtp_part == "head":
+            out["mtp_head"] += _bytes(leaf)
         elif _is_expert(path):
             out["mtp_experts" if _is_mtp(path) else "trunk_experts"] += _bytes(leaf)
             local = _shard(leaf)[-3]  # [..., E, D, F] / [..., E, F, D]: the experts one device holds
@@ -68,8 +74,13 @@ def routed_floor_bytes(model, cache_bytes: int, batch: int, num_draft: int, tree
     """Bytes per device a pass must read with routed reads: a plain step (num_draft 0: B rows through the trunk)
     or an MTP round (a verify of B (k + 1) rows, k draft passes of B rows through the MTP block, k + 1 lm_head
     reads; a draft tree of depth k: a verify of B (N + 1) rows, k passes through the MTP block, the j-th of
-    B j W rows). Dense models: the weights and cache the pass reads, no expert part."""
+    B j W rows). A draft pass reads the head it drafts through (the MTP layer's own, else the lm_head), only its
+    draft vocabulary's rows where it has one (gathered once before the loop, split as the head is). Dense models: the
+    weights and cache the pass reads, no expert part."""
     held = parts(model)
+    draft_head = held["mtp_head"] or held["lm_head"]
+    if model.draft_vocab is not None:
+        draft_head *= model.config.mtp.draft_vocab_size / model.config.vocab_size
     moe = model.config.moe
     local = held["local_experts"]
     data = model.sharding_rules.mesh.shape.get("data", 1)  # a device routes its data shard's rows
@@ -84,5 +95,5 @@ def routed_floor_bytes(model, cache_bytes: int, batch: int, num_draft: int, tree
     total = held["trunk_dense"] + routed(held["trunk_experts"], rows) + held["lm_head"] + cache_bytes
     for j in range(num_draft):  # the catch-up's pass (B rows), then a chain's steps or a tree's expansions
         draft_rows = batch * (j * tree_width if tree and j else 1)
-        total += held["mtp_dense"] + routed(held["mtp_experts"], draft_rows) + held["lm_head"]
+        total += held["mtp_dense"] + routed(held["mtp_experts"], draft_rows) + draft_head
     return int(total)

@@ -23,7 +23,7 @@ from mtp_jax.models import moe as moe_module
 from mtp_jax.models.cache_attention import LayerSlots
 from mtp_jax.ops import dispatch
 from mtp_jax.parallel import sharding
-from mtp_jax.plan import hlo_text, hlo_traffic, planning, shapes, topology
+from mtp_jax.plan import hlo_text, hlo_traffic, planning, routed_floor, shapes, topology
 from mtp_jax.plan.hlo_collectives import array_bytes, collectives
 from mtp_jax.runtime.errors import UserError
 from tests.support.commands import ROOT, run_plan
@@ -171,17 +171,44 @@ def test_round_cost_extrapolated_over_layers_equals_the_whole_trunk_unrolled():
     assert 0 < projected.hbm_bytes < hlo_traffic.hbm_bytes(hlo)  # the prefill and the loop's preparation are not
 
 
-def independent_param_bytes_per_chip(cfg, model_shards: int) -> int:
-    """The dense tiny model on data=1,model=M, counted from its config: vocabulary, query heads, MLP width split M
-    ways; kv heads split only when M divides them; norms whole."""
-    d, v, f, n, k, h, layers = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.num_heads,
-                                cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)  # fmt: skip
+def independent_values_per_chip(cfg, model_shards: int) -> dict[str, int]:
+    """The dense tiny model's values on data=1,model=M, counted from its config: vocabulary, query heads, MLP width
+    split M ways; kv heads split only when M divides them; norms whole. A layer, the embedding, the lm_head, the
+    trunk's final norm, and the MTP block without embedding or head (norms, [2D, D] projection, layer, final norm)."""
+    d, v, f, n, k, h = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.head_dim)  # fmt: skip
     kv = 2 * d * k * h // (model_shards if k % model_shards == 0 else 1)
     layer = d * n * h // model_shards + kv + n * h * d // model_shards + 3 * d * f // model_shards + 2 * d
     embed = v * d // model_shards
     head = 0 if cfg.tie_word_embeddings else d * v // model_shards
-    mtp = 2 * d + 2 * d * d + layer + d  # token and hidden norms, [2D, D] projection, one layer, final norm
-    return 2 * (embed + head + layers * layer + d + mtp)  # bfloat16
+    return {"layer": layer, "embed": embed, "head": head, "final_norm": d, "mtp": 2 * d + 2 * d * d + layer + d}
+
+
+def independent_param_bytes_per_chip(cfg, model_shards: int) -> int:
+    values = independent_values_per_chip(cfg, model_shards)
+    trunk = values["embed"] + values["head"] + cfg.num_layers * values["layer"] + values["final_norm"]
+    return 2 * (trunk + values["mtp"])  # bfloat16
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["lm_head", "own_embedding_and_head"])
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_a_dense_rounds_floor_counts_what_each_pass_reads(draft_vocab, own):
+    """An MTP round's floor, counted from the config: the verify reads the trunk's layers, final norm and lm_head
+    (an untied embedding only gathers rows) and the cache; each of the k draft passes the MTP block and the head it
+    drafts through (the MTP layer's own where it has one, else the lm_head), only the draft vocabulary's rows of it.
+    The MTP layer's own embedding, like the trunk's, is only gathered."""
+    base = tiny_dense()
+    cfg = base.replace(mtp=dataclasses.replace(base.mtp, draft_vocab_size=draft_vocab, own_embedding=own,
+                                               own_head=own))  # fmt: skip
+    rules = sharding.ShardingRules(sharding.make_mesh("data=1,model=1", jax.devices()[:1]))
+    model = planning.abstract_model(cfg, jnp.bfloat16, rules)
+    assert (model.mtp.head is not None, model.mtp.embed is not None) == (own, own)
+    values, cache, drafts = independent_values_per_chip(cfg, 1), 12_345, 2
+    verify = values["head"] + cfg.num_layers * values["layer"] + values["final_norm"]
+    draft_pass = values["mtp"] + cfg.hidden_size * (draft_vocab or cfg.vocab_size)
+    want = 2 * (verify + drafts * draft_pass) + cache
+    assert routed_floor.routed_floor_bytes(model, cache, batch=1, num_draft=drafts) == want
+    assert routed_floor.routed_floor_bytes(model, cache, batch=1, num_draft=0) == 2 * verify + cache
 
 
 @pytest.mark.slow
@@ -268,6 +295,10 @@ def test_a_draft_vocabulary_shrinks_a_tree_rounds_reads(tmp_path):
     assert (whole["draft_vocab"], subset["draft_vocab"]) == (0, 64)
     assert subset["mtp_round"]["hbm_bytes"] < whole["mtp_round"]["hbm_bytes"]
     assert subset["plain_step"]["hbm_bytes"] == whole["plain_step"]["hbm_bytes"]
+    cfg = tiny_dense()  # its floor: the two draft passes read 64 of the lm_head's rows, split 4 ways
+    fewer_rows = 2 * 2 * cfg.hidden_size * (cfg.vocab_size - 64) // 4
+    assert whole["mtp_round"]["routed_floor_bytes"] - subset["mtp_round"]["routed_floor_bytes"] == fewer_rows
+    assert subset["mtp_round"]["hbm_over_routed_floor"] >= 1
 
 
 @pytest.mark.slow
