@@ -5,7 +5,7 @@ E_local (1 - (1 - O / E)^R) distinct experts, with routing taken as uniform and 
 are skewed, which uses fewer). That is the routed floor's expert part; the plain step's floor adds the trunk's
 other weights, the final norm, the lm_head and the whole cache (`planning.plain_step_floor`), and an MTP round's adds
 a verify pass of B (k + 1) rows through the trunk, k draft passes of B rows through the MTP block (its experts
-routed afresh each time) and k more reads of the lm_head.
+routed afresh each time) and k reads of the head the drafts come from (its draft vocabulary's rows).
 
 The decode kernel that reads only used experts (kernels/routed_kernel.py) fetches each used expert once (a device
 none of whose experts is used skips the call), so `hlo_traffic` counts its custom calls with `expected_experts`.
