@@ -72,8 +72,8 @@ def parts(model) -> dict[str, float]:
 
 def routed_floor_bytes(model, cache_bytes: int, batch: int, num_draft: int, tree: int = 0, tree_width: int = 4) -> int:
     """Bytes per device a pass must read with routed reads: a plain step (num_draft 0: B rows through the trunk)
-    or an MTP round (a verify of B (k + 1) rows, k draft passes of B rows through the MTP block, k + 1 lm_head
-    reads; a draft tree of depth k: a verify of B (N + 1) rows, k passes through the MTP block, the j-th of
+    or an MTP round (a verify of B (k + 1) rows and its lm_head read, k draft passes of B rows through the MTP block
+    and a head; a draft tree of depth k: a verify of B (N + 1) rows, k passes through the MTP block, the j-th of
     B j W rows). A draft pass reads the head it drafts through (the MTP layer's own, else the lm_head), only its
     draft vocabulary's rows where it has one (gathered once before the loop, split as the head is). Dense models: the
     weights and cache the pass reads, no expert part."""
