@@ -49,8 +49,7 @@ def parts(model) -> dict[str, float]:
     drafts through the lm_head), and `local_experts` (E_local). Tables a pass gathers a few rows of (an untied trunk
     embedding, the MTP layer's own, the draft vocabulary's ids) count as nothing."""
     params = nnx.to_pure_dict(nnx.split(model)[1])
-    out = {"trunk_dense": 0.0, "mtp_dense": 0.0, "trunk_experts": 0.0, "mtp_experts": 0.0, "lm_head": 0.0}
-    out["mtp_head"] = 0.0
+    out = dict.fromkeys(("trunk_dense", "mtp_dense", "trunk_experts", "mtp_experts", "lm_head", "mtp_head"), 0.0)
     local = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         top = getattr(path[0], "key", None)
