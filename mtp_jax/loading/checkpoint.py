@@ -76,7 +76,7 @@ def with_activations(model, activations: str):
     """`model` with its 4-bit weights multiplying activations as `activations` says (`load`)."""
     if activations == "int8" and not mark_int8_activations(model):
         raise UserError(
-            "activations int8 needs 4-bit weights: --weights int4, or a GGUF's Q4_1 blocks under "
+            "activations int8 needs weights in blocks: --weights int4, or a GGUF's Q4_1 and Q8_0 blocks under "
             "--weights auto on a CPU"
         )
     return model

@@ -1,5 +1,6 @@
-"""Activations rounded to int8 before they multiply 4-bit weights (`--activations int8`), as llama.cpp multiplies
-its Q4 blocks: per block of the weight's contracting blocks, one scale each (llama.cpp's Q8_1 rounding)."""
+"""Activations rounded to int8 before they multiply weights stored in blocks (`--activations int8`), as llama.cpp
+multiplies its Q4_1 and Q8_0 blocks: per block of the weight's contracting blocks, one scale each (llama.cpp's Q8_1
+rounding)."""
 
 from __future__ import annotations
 
@@ -39,16 +40,27 @@ def activations_rounded_to_int8(equation: str, x: jax.Array, weight: QuantizedAr
     return jax.lax.stop_gradient(rounded) + (x - jax.lax.stop_gradient(x))  # the value rounded exactly
 
 
+def in_blocks(weight: QuantizedArray) -> bool:
+    """Whether a weight's products can round their activations per block: 4-bit values (always in blocks), or int8
+    ones with several scales along a contracting axis (a GGUF's Q8_0, `quantize_int8_blocks`), not one per output
+    channel (a whole row's one scale would round the activations coarsely)."""
+    if weight.packed:
+        return True
+    if weight.values.dtype != jnp.int8 or weight.mins is not None:
+        return False
+    return any(1 < n < d for n, d in zip(weight.scales.shape, weight.shape, strict=True))
+
+
 def mark_int8_activations(model) -> int:
-    """Mark every 4-bit weight of `model` (`--weights int4`, a GGUF's Q4_1 blocks) to multiply activations
-    rounded to int8 per block (`activations_rounded_to_int8`), as llama.cpp multiplies them, in place; returns how many.
-    A different model from the float activations' (logits move by about the 4-bit weights' own error; measured in
-    docs/benchmarks-log.md, "Batch 1 on a new CPU"), but plain and MTP decoding of it agree as ever: each row is
-    rounded by itself."""
+    """Mark every weight of `model` stored in blocks (`in_blocks`: `--weights int4`, a GGUF's Q4_1 and Q8_0 blocks)
+    to multiply activations rounded to int8 per block (`activations_rounded_to_int8`), as llama.cpp multiplies them,
+    in place; returns how many. A different model from the float activations' (logits move by about the weights' own
+    error; measured in docs/benchmarks-log.md, "Batch 1 on a new CPU"), but plain and MTP decoding of it agree as
+    ever: each row is rounded by itself."""
     marked = 0
     for _, param in nnx.iter_graph(model):
         value = param.get_value() if isinstance(param, nnx.Param) else None
-        if isinstance(value, QuantizedArray) and value.packed and not value.int8_activations:
+        if isinstance(value, QuantizedArray) and in_blocks(value) and not value.int8_activations:
             param.set_value(dataclasses.replace(value, int8_activations=True))
             marked += 1
     return marked

@@ -1,8 +1,8 @@
 """Offline prompts for self-distillation and evaluation: chat, code, math and summarisation.
 
-Sources, all on this machine: hand-written topic and task lists (below), arithmetic word problems with seeded
-numbers, and docstrings of the Python standard library (for summarisation; their text depends on the Python
-version). Every (template, subject) pair is assigned to "train" or "eval" by a stable hash, and eval subjects are
+Sources, all on this machine: hand-written templates, topics and tasks (below), arithmetic word problems with
+seeded numbers, and docstrings of the Python standard library's modules and of their public functions and classes
+(for summarisation; their text depends on the Python version). Every (template, subject) pair is assigned to "train" or "eval" by a stable hash, and eval subjects are
 never used for training, so the two sets are disjoint by construction.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import random
 import textwrap
 
@@ -22,6 +23,18 @@ CHAT_TEMPLATES = [
     "Write a friendly email inviting a colleague to learn about {}.",
     "What are common misconceptions about {}?",
     "Compose a short poem about {}.",
+    "Write a blog post introduction about {}.",
+    "Explain {} in simple terms, as if to a ten-year-old.",
+    "List three interesting facts about {}.",
+    "How would you teach a beginner about {}?",
+    "Write a dialogue between two friends discussing {}.",
+    "Summarize what everyone should know about {}.",
+    "What questions do people often ask about {}? Answer two of them.",
+    "Write a product description for a book about {}.",
+    "Give a step-by-step overview of how {} works.",
+    "Compare {} with something from everyday life.",
+    "Write a motivational speech that mentions {}.",
+    "What is the future of {}?",
 ]
 CHAT_TOPICS = [
     "photosynthesis", "the water cycle", "black holes", "volcanoes", "the French Revolution", "the Roman Empire",
@@ -36,12 +49,35 @@ CHAT_TOPICS = [
     "video games", "board games", "libraries", "museums", "the Olympic Games", "mountains", "rivers", "birds",
     "cats", "dogs", "whales", "octopuses", "mushrooms", "the periodic table", "gravity", "light", "sound",
     "magnets", "electricity", "weather forecasts", "maps", "calendars", "clocks", "money", "taxes", "cities",
+    "the solar system", "the human heart", "DNA", "evolution", "plate tectonics", "the ozone layer", "coral reefs",
+    "penguins", "elephants", "ants", "spiders", "sharks", "wolves", "forests", "wetlands", "the Amazon river",
+    "the Great Wall of China", "the pyramids", "the Vikings", "the Middle Ages", "the Industrial Revolution",
+    "the telephone", "television", "radio", "the steam engine", "nuclear energy", "wind turbines", "hydrogen fuel",
+    "smartphones", "social media", "online privacy", "open source software", "cloud computing", "databases",
+    "programming", "artificial intelligence", "self-driving cars", "drones", "satellites", "telescopes",
+    "microscopes", "the scientific method", "mathematics", "prime numbers", "probability", "statistics",
+    "geometry", "music theory", "the piano", "the guitar", "opera", "painting", "sculpture", "architecture",
+    "poetry", "novels", "theater", "film making", "animation", "comic books", "fashion", "cooking pasta",
+    "vegetarian food", "chocolate", "cheese", "spices", "farming", "composting", "beekeeping", "fishing",
+    "hiking", "camping", "swimming", "yoga", "football", "basketball", "tennis", "the Tour de France",
+    "first aid", "hand washing", "exercise", "stress", "happiness", "kindness", "teamwork", "leadership",
+    "negotiation", "job interviews", "writing a resume", "saving money", "investing", "small businesses",
+    "marketing", "customer service", "urban planning", "public transport", "traffic", "air pollution",
+    "water purification", "deforestation", "endangered species", "national parks", "volunteer firefighters",
+    "the postal service", "elections", "human rights", "philosophy", "ethics", "languages of the world",
+    "writing systems", "the alphabet", "mythology", "fairy tales", "holidays", "birthdays", "weddings",
 ]  # fmt: skip
 CODE_TEMPLATES = [
     "Write a Python function that {}.",
     "Write a JavaScript function that {}.",
     "Explain step by step how to write a program that {}.",
     "Write a Python function that {}, and include a docstring and two example calls.",
+    "Write a C function that {}.",
+    "Write a Python class with a method that {}.",
+    "Write unit tests for a Python function that {}.",
+    "Describe an efficient algorithm that {}, and give its time complexity.",
+    "Write a Rust function that {}.",
+    "Write a TypeScript function that {}.",
 ]
 CODE_TASKS = [
     "reverses a string", "checks whether a number is prime", "computes the factorial of n",
@@ -59,6 +95,20 @@ CODE_TASKS = [
     "checks whether a year is a leap year", "converts a dictionary to a JSON string", "implements a stack class",
     "implements a queue with two stacks", "finds all prime numbers below n", "computes the power set of a set",
     "rotates a list by k positions", "counts vowels in a string", "finds the second largest number in a list",
+    "checks whether two strings are anagrams", "converts a binary string to an integer", "computes a running sum",
+    "finds the most common element of a list", "splits a list into chunks of size n", "reverses a linked list",
+    "computes the distance between two points", "checks whether a number is a perfect square",
+    "counts the lines in a file", "removes punctuation from a string", "computes the least common multiple",
+    "finds the index of the smallest element", "zips two lists into a dictionary", "filters even numbers",
+    "computes the average word length of a sentence", "generates a random password",
+    "converts a string to title case", "checks whether a list is sorted", "implements insertion sort",
+    "implements merge sort", "implements quicksort", "computes the n-th triangular number",
+    "returns the unique characters of a string", "counts the occurrences of a substring",
+    "formats a number with thousands separators", "parses a date string", "computes the area of a circle",
+    "converts kilometers to miles", "finds pairs of numbers that add up to a target", "validates a phone number",
+    "computes the dot product of two vectors", "multiplies two matrices", "implements a binary search tree",
+    "performs a breadth-first search on a graph", "computes the Levenshtein distance between two strings",
+    "caches the results of a slow function",
 ]  # fmt: skip
 MATH_TEMPLATES = [
     "A shop sells pencils for {a} cents each. How much do {b} pencils cost in dollars? Explain your steps.",
@@ -69,6 +119,14 @@ MATH_TEMPLATES = [
     "A recipe needs {a} grams of flour for {b} people. How much flour is needed for 12 people?",
     "Solve for x: {a}x + {b} = {c}. Explain each step.",
     "What is {a} percent of {c}? Show the calculation.",
+    "Tom reads {b} pages a day. How many days does he need for a book of {c} pages?",
+    "A car uses {b} liters of fuel per 100 kilometers. How much fuel does it need for {c} kilometers?",
+    "What is the sum of {a}, {b} and {c}? Explain your method.",
+    "A class has {a} students and {b} of them are absent. What fraction of the class is present?",
+    "Divide {c} by {b} and explain the remainder.",
+    "A square has a side of {b} centimeters. What are its area and perimeter?",
+    "A worker earns {a} dollars an hour and works {b} hours. How much does she earn?",
+    "Convert {c} minutes into hours and minutes.",
 ]
 SUMMARY_TEMPLATE = "Summarize the following text in two or three sentences:\n\n{}"
 SUMMARY_MODULES = [
@@ -82,6 +140,7 @@ SUMMARY_MODULES = [
     "threading", "timeit", "tokenize", "trace", "traceback", "typing", "unittest", "urllib", "uuid", "warnings",
     "wave", "weakref", "webbrowser", "zipfile", "zipimport", "zlib",
 ]  # fmt: skip
+SUMMARY_MEMBERS_PER_MODULE = 12  # public functions and classes a module gives docstrings of, at most
 CATEGORIES = ("chat", "code", "math", "summarisation")
 
 
@@ -99,6 +158,27 @@ def _docstring_passage(module_name: str) -> str | None:
     return textwrap.shorten(text, 900, placeholder="...") if len(text) > 300 else None
 
 
+def _member_passages(module_name: str) -> list[str]:
+    """Docstring passages of a module's public functions and classes (those long enough), in name order."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return []
+    passages = []
+    for name in sorted(vars(module)):
+        member = getattr(module, name)
+        if name.startswith("_") or not (inspect.isfunction(member) or inspect.isclass(member)):
+            continue
+        if getattr(member, "__module__", None) != module_name:
+            continue
+        text = " ".join((inspect.getdoc(member) or "").split())
+        if len(text) > 300:
+            passages.append(textwrap.shorten(f"{module_name}.{name}: {text}", 900, placeholder="..."))
+        if len(passages) == SUMMARY_MEMBERS_PER_MODULE:
+            break
+    return passages
+
+
 def candidate_prompts(category: str, split: str) -> list[str]:
     """Every prompt of a category in a split, in a fixed order."""
     if category == "chat":
@@ -107,13 +187,15 @@ def candidate_prompts(category: str, split: str) -> list[str]:
         pairs = [(t, s) for t in CODE_TEMPLATES for s in CODE_TASKS]
     elif category == "summarisation":
         pairs = [(SUMMARY_TEMPLATE, p) for m in SUMMARY_MODULES if (p := _docstring_passage(m))]
+        pairs += [(SUMMARY_TEMPLATE, p) for m in SUMMARY_MODULES for p in _member_passages(m)]
     elif category == "math":
-        rng = random.Random("math")
         pairs = []
-        for template in MATH_TEMPLATES:
-            for _ in range(80):
-                a, b = rng.randint(2, 97), rng.randint(2, 19)
-                pairs.append(("{}", template.format(a=a, b=b, c=a * rng.randint(2, 9) + b)))
+        for seed, count in (("math", 80), ("math, more", 160)):  # the first set as it was, then more of each
+            rng = random.Random(seed)
+            for template in MATH_TEMPLATES:
+                for _ in range(count):
+                    a, b = rng.randint(2, 97), rng.randint(2, 19)
+                    pairs.append(("{}", template.format(a=a, b=b, c=a * rng.randint(2, 9) + b)))
     else:
         raise ValueError(f"unknown category {category!r}; known: {CATEGORIES}")
     return list(dict.fromkeys(t.format(s) for t, s in pairs if split_of(f"{t}|{s}") == split))

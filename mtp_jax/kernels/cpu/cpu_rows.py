@@ -55,7 +55,7 @@ CACHED_BUILDS = 8  # libraries kept in the user's cache (the newest; other envir
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
-INT8_ROW_COLUMNS = 32  # the int8-rows product takes output columns 32 at a time
+MAX_LANES = 16  # the widest vector of float32 lanes the kernel is built with (AVX512)
 BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of this many contracting elements a block
 _LOCK = threading.Lock()
 _REGISTERED: list[Path] = []  # the library whose handlers this process registered
@@ -185,11 +185,19 @@ def _kernel_blocks(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
 
 
 def _int8_rows_layout(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
-    """Whether the kernel's int8-rows product (native/row_int8.h) reads this 4-bit weight: [K, N] with N a
-    multiple of INT8_ROW_COLUMNS and blocks of a multiple of 4 contracting elements (else XLA's product rounds x)."""
+    """Whether the kernel's int8-rows product (native/row_int8.h, `int8_rows_reads`) reads this weight at every ISA
+    level (vectors of at most MAX_LANES lanes), else XLA's product rounds x: blocks of a multiple of 4 contracting
+    elements; 4-bit values [K, N] with N a multiple of 2 MAX_LANES; int8 ones [K, N] with N a multiple of MAX_LANES,
+    or [N, K] with K a multiple of 4 MAX_LANES and blocks of 32 elements or a multiple of 4 MAX_LANES."""
     kb = matmul_layout.contracting_blocks(lay, weight)
     _, _, k, n = lay.gmkn
-    return not lay.transposed and n % INT8_ROW_COLUMNS == 0 and kb is not None and (k // kb) % 4 == 0
+    if kb is None or (k // kb) % 4:
+        return False
+    if weight.packed:
+        return not lay.transposed and n % (2 * MAX_LANES) == 0
+    if not lay.transposed:
+        return n % MAX_LANES == 0
+    return k % (4 * MAX_LANES) == 0 and ((k // kb) % (4 * MAX_LANES) == 0 or k // kb == 2 * MAX_LANES)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

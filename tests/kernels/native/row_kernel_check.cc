@@ -330,6 +330,14 @@ int main() {
   c = {"4-bit by int8 rows", 192, 320, 6, false, true, true, true};
   check_product<float, U4>(c, seed++);
   check_product<uint16_t, U4>(c, seed++);
+  c = {"int8 blocks of 32 (Q8_0) by int8 rows", 192, 320, 6, false, true, false, true};
+  check_product<float, int8_t>(c, seed++);
+  check_product<uint16_t, int8_t>(c, seed++);
+  c = {"int8 blocks of 32 (Q8_0) [N, K] by int8 rows", 192, 300, 6, true, true, false, true};
+  check_product<float, int8_t>(c, seed++);
+  check_product<uint16_t, int8_t>(c, seed++);
+  c = {"int8 blocks of 64 [N, K] by int8 rows", 192, 300, 3, true, true, false, true};
+  check_product<float, int8_t>(c, seed++);
   for (int64_t H : {8, 20, 32, 64, 128})
     for (bool tree : {false, true}) check_attention(H, seed++, tree);
   check_halves();

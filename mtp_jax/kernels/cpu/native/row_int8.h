@@ -1,15 +1,22 @@
-// 4-bit weights by activations rounded to int8 (llama.cpp's Q4_1 x Q8_1): the row kernel's product for weights
-// whose `Blocks` ask for it (`int8_rows`), included by row_kernels.h.
+// Weights in blocks by activations rounded to int8 (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0): the row kernel's
+// product for weights whose `Blocks` ask for it (`int8_rows`), included by row_kernels.h. Three forms:
+//   4-bit values [K, N] packed two to a byte along N, with a scale and a min per block and column (Q4_1);
+//   8-bit values [K, N] or [N, K] (an embedding read as a tied lm_head) with a scale per block and column (Q8_0).
 //
 // Each row of x is rounded per block of Kb = K / KB contracting elements: d = max |x| / 127, q = x / d rounded to
 // the nearest integer (ties to even), s = d * sum(q). A block's products are then integers, summed exactly:
-//   isum[n] = sum_k value[k, n] * q[k]                       (value 0..15, q -127..127)
-//   out[n] += isum[n] * (scale[b, n] * d) + min[b, n] * s    (blocks in order, one fused multiply-add chain)
-// Integer sums do not depend on their order, and the float chain per column is the same whatever M, so a row's
-// result is the same bits whatever else shares the pass. With AVX512-VNNI and VBMI the sums are vpdpbusd over
-// four contracting elements a lane (64 products an instruction, against 16 for float32 fused multiply-adds); with
-// AVX2 they are vpmaddubsw then vpmaddwd (as llama.cpp's Q4 x Q8 kernels do), with NEON's dotprod sdot; any
-// other CPU sums them one by one.
+//   isum[n] = sum_k value[k, n] * q[k]                         (value 0..15 or -127..127, q -127..127)
+//   out[n] += isum[n] * (scale[b, n] * d) + min[b, n] * s      (blocks in order, one fused multiply-add chain)
+// For [N, K] the integer sums are those of each vector's lanes (four products a lane), each lane's times its block's
+// scale and d added to its own float sum, the lanes added in a fixed tree at the end. Integer sums do not depend on
+// their order, and a row's float chain is the same whatever M, so a row's result is the same bits whatever else
+// shares the pass.
+//
+// Instructions: with AVX512-VNNI a lane's four products are one vpdpbusd (64 products an instruction; an 8-bit
+// weight is offset by 128 to make it unsigned, and 128 * the lane's sum of q taken off after); with AVX2 vpmaddubsw
+// then vpmaddwd (as llama.cpp's kernels do; 8-bit weights as |w| times q with w's sign); with NEON's dotprod sdot;
+// any other CPU sums them one by one. A pass keeps the sums of up to eight rows and a few column strips in
+// registers down a block's rows, so each weight byte is read and unpacked once for eight rows.
 
 #pragma once
 
@@ -22,20 +29,19 @@ namespace rows {
 
 typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-template <int R>
-constexpr int kInt8Strips = 768 / (2 * kLanes) / R > 0 ? 768 / (2 * kLanes) / R : 1;  // strips of 2 kLanes columns
-// a pass keeps in L1 (R x 12 KB at most)
-
-// x's rows rounded per block: q [M, K], d and s [M, KB].
+// x's rows rounded per block: q [M, K]; d, s, and qsum (the integer sum of q) [M, KB]; quads [M, K / 4], each four
+// consecutive q summed. (128 times a sum of q is what 8-bit weights offset by 128 add to a sum of products.)
 struct RoundedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> qsum, quads;
 };
 
 template <typename X>
 RoundedRows round_rows(const X* x, int64_t M, int64_t K, int64_t KB) {
   const int64_t Kb = K / KB;
-  RoundedRows rounded{std::vector<int8_t>(M * K), std::vector<float>(M * KB), std::vector<float>(M * KB)};
+  RoundedRows rounded{std::vector<int8_t>(M * K), std::vector<float>(M * KB), std::vector<float>(M * KB),
+                      std::vector<int32_t>(M * KB), std::vector<int32_t>(M * K / 4)};
   for (int64_t i = 0; i < M * KB; ++i) {
     const int64_t m = i / KB, k0 = (i % KB) * Kb;
     float largest = 0.0f;
@@ -45,163 +51,289 @@ RoundedRows round_rows(const X* x, int64_t M, int64_t K, int64_t KB) {
     for (int64_t k = k0; k < k0 + Kb; ++k) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(to_float(x[m * K + k]) * inverse));
       rounded.q[m * K + k] = static_cast<int8_t>(v);
+      rounded.quads[(m * K + k) / 4] += v;
       sum += v;
     }
     rounded.d[i] = d;
     rounded.s[i] = d * static_cast<float>(sum);
+    rounded.qsum[i] = sum;
   }
   return rounded;
 }
 
-// sums[r][s][0] (even columns) and [1] (odd) += weight rows k .. k + 3 of strip s (16 bytes a row from `first`)
-// times row r's q[k .. k + 3]; lane i of strip s holds columns 2 i and 2 i + 1.
-template <int R>
-inline void add_quad(const uint8_t* first, int64_t row_bytes, const int8_t* const* q, int strips,
-                     Ints (*sums)[kInt8Strips<R>][2]) {
+// The ISA's pieces. A "quad" is, per lane, four bytes: weight rows k .. k + 3 of one column (the lane's), or four
+// consecutive q of a row (the same four in every lane: `broadcast_q`).
+//   quad4(p, row_bytes, even, odd): 4-bit values of 2 kLanes columns (kLanes bytes from each of four weight rows at
+//     p, row_bytes apart): lane i holds column 2 i in `even`, 2 i + 1 in `odd`
+//   quad8(p, row_bytes): 8-bit values of kLanes columns
+//   dot_small(sum, w, x): sum + each lane's four products, w's bytes 0..15
+//   dot_signed(sum, w, x): the same for signed bytes; with kOffset, w's bytes were offset by 128 (quad8 does it)
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-  alignas(64) static constexpr uint8_t kOrder[64] = {  // byte 4 i + j of the result: byte i of row j
+typedef __m512i Quad;
+constexpr int kOffset = 128;
+inline Quad broadcast_q(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, sizeof four);
+  return _mm512_set1_epi32(four);
+}
+inline __m512i gather_rows(const uint8_t* p, int64_t row_bytes) {  // 16 bytes of rows 0..3 -> byte 4 i + j: row j's
+  alignas(64) static constexpr uint8_t kOrder[64] = {  // byte i
       0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54,
       7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59, 12, 28, 44, 60, 13, 29, 45, 61,
       14, 30, 46, 62, 15, 31, 47, 63};
-  const __m512i order = _mm512_load_si512(kOrder), nibble = _mm512_set1_epi8(0x0F);
-  __m512i x[R];
-  for (int r = 0; r < R; ++r) {
-    int32_t four;
-    std::memcpy(&four, q[r], sizeof four);
-    x[r] = _mm512_set1_epi32(four);
-  }
-  for (int s = 0; s < strips; ++s) {
-    const uint8_t* p = first + s * kLanes;
-    if (s % 4 == 0)  // a cache line holds four strips of a row: the rows eight ahead
-      for (int i = 0; i < 4; ++i) __builtin_prefetch(p + (8 + i) * row_bytes);
-    __m512i bytes = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    bytes = _mm512_inserti32x4(bytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + row_bytes)), 1);
-    bytes = _mm512_inserti32x4(bytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * row_bytes)), 2);
-    bytes = _mm512_inserti32x4(bytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * row_bytes)), 3);
-    const __m512i quads = _mm512_permutexvar_epi8(order, bytes);
-    const __m512i even = _mm512_and_si512(quads, nibble);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(quads, 4), nibble);
-    for (int r = 0; r < R; ++r) {
-      sums[r][s][0] = (Ints)_mm512_dpbusd_epi32((__m512i)sums[r][s][0], even, x[r]);
-      sums[r][s][1] = (Ints)_mm512_dpbusd_epi32((__m512i)sums[r][s][1], odd, x[r]);
-    }
-  }
+  __m512i bytes = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  bytes = _mm512_inserti32x4(bytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + row_bytes)), 1);
+  bytes = _mm512_inserti32x4(bytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * row_bytes)), 2);
+  bytes = _mm512_inserti32x4(bytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * row_bytes)), 3);
+  return _mm512_permutexvar_epi8(_mm512_load_si512(kOrder), bytes);
+}
+inline void quad4(const uint8_t* p, int64_t row_bytes, Quad& even, Quad& odd) {
+  const __m512i quads = gather_rows(p, row_bytes), nibble = _mm512_set1_epi8(0x0F);
+  even = _mm512_and_si512(quads, nibble);
+  odd = _mm512_and_si512(_mm512_srli_epi16(quads, 4), nibble);
+}
+inline Quad quad8(const uint8_t* p, int64_t row_bytes) {
+  return _mm512_xor_si512(gather_rows(p, row_bytes), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+inline Quad load_q(const uint8_t* p) { return _mm512_loadu_si512(p); }  // kLanes quads of one weight row ([N, K])
+inline Quad offset_q(Quad w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline Ints dot_small(Ints sum, Quad w, Quad x) { return (Ints)_mm512_dpbusd_epi32((__m512i)sum, w, x); }
+inline Ints dot_signed(Ints sum, Quad w, Quad x) { return (Ints)_mm512_dpbusd_epi32((__m512i)sum, w, x); }
 #elif defined(ROWS_AVX2)
-  // vpmaddubsw multiplies the weight's unsigned bytes by x's signed ones and adds neighbours (at most 2 x 15 x 127:
-  // no saturation); vpmaddwd by ones adds those pairs: each lane's four products, as integers
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256i x[R];
-  for (int r = 0; r < R; ++r) {
-    int32_t four;
-    std::memcpy(&four, q[r], sizeof four);
-    x[r] = _mm256_set1_epi32(four);
+typedef __m256i Quad;
+constexpr int kOffset = 0;
+inline Quad broadcast_q(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, sizeof four);
+  return _mm256_set1_epi32(four);
+}
+inline __m256i gather_rows(const uint8_t* p, int64_t row_bytes) {  // 8 bytes of rows 0..3 -> byte 4 i + j: row j's
+  auto row = [&](int j) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + j * row_bytes)); };  // byte i
+  const __m128i rows01 = _mm_unpacklo_epi8(row(0), row(1)), rows23 = _mm_unpacklo_epi8(row(2), row(3));
+  return _mm256_set_m128i(_mm_unpackhi_epi16(rows01, rows23), _mm_unpacklo_epi16(rows01, rows23));
+}
+inline void quad4(const uint8_t* p, int64_t row_bytes, Quad& even, Quad& odd) {
+  const __m256i quads = gather_rows(p, row_bytes), nibble = _mm256_set1_epi8(0x0F);
+  even = _mm256_and_si256(quads, nibble);
+  odd = _mm256_and_si256(_mm256_srli_epi16(quads, 4), nibble);
+}
+inline Quad quad8(const uint8_t* p, int64_t row_bytes) { return gather_rows(p, row_bytes); }
+inline Quad load_q(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Quad offset_q(Quad w) { return w; }
+// vpmaddubsw's pairs of products stay inside 16 bits: at most 2 x 15 x 127, and 2 x 128 x 127 for |w| below
+inline Ints dot_small(Ints sum, Quad w, Quad x) {
+  return (Ints)_mm256_add_epi32((__m256i)sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+inline Ints dot_signed(Ints sum, Quad w, Quad x) {
+  const __m256i product = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return (Ints)_mm256_add_epi32((__m256i)sum, _mm256_madd_epi16(product, _mm256_set1_epi16(1)));
+}
+#else  // NEON (sdot with dotprod), and one by one elsewhere: lanes of four bytes in plain arrays
+struct Quad {
+  int8_t b[4 * kLanes];
+};
+constexpr int kOffset = 0;
+inline Quad broadcast_q(const int8_t* q) {
+  Quad v;
+  for (int i = 0; i < kLanes; ++i) std::memcpy(v.b + 4 * i, q, 4);
+  return v;
+}
+inline Quad gather_rows(const uint8_t* p, int64_t row_bytes, int per_row) {  // per_row bytes of rows 0..3
+  Quad v;
+  for (int i = 0; i < per_row; ++i)
+    for (int j = 0; j < 4; ++j) v.b[4 * i + j] = static_cast<int8_t>(p[j * row_bytes + i]);
+  return v;
+}
+inline void quad4(const uint8_t* p, int64_t row_bytes, Quad& even, Quad& odd) {
+  const Quad bytes = gather_rows(p, row_bytes, kLanes);
+  for (int i = 0; i < 4 * kLanes; ++i) {
+    even.b[i] = static_cast<int8_t>(static_cast<uint8_t>(bytes.b[i]) & 15);
+    odd.b[i] = static_cast<int8_t>(static_cast<uint8_t>(bytes.b[i]) >> 4);
   }
-  auto row = [&](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
-  for (int s = 0; s < strips; ++s) {
-    const uint8_t* p = first + s * kLanes;
-    if (s % 8 == 0)  // a cache line holds eight strips of a row: the rows eight ahead
-      for (int i = 0; i < 4; ++i) __builtin_prefetch(p + (8 + i) * row_bytes);
-    const __m128i rows01 = _mm_unpacklo_epi8(row(p), row(p + row_bytes));  // byte i of row 0, of row 1, ...
-    const __m128i rows23 = _mm_unpacklo_epi8(row(p + 2 * row_bytes), row(p + 3 * row_bytes));
-    const __m256i quads = _mm256_set_m128i(_mm_unpackhi_epi16(rows01, rows23), _mm_unpacklo_epi16(rows01, rows23));
-    const __m256i even = _mm256_and_si256(quads, nibble);  // lane i: byte i of rows 0..3, low nibbles
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(quads, 4), nibble);
-    for (int r = 0; r < R; ++r) {
-      const __m256i e = _mm256_madd_epi16(_mm256_maddubs_epi16(even, x[r]), ones);
-      const __m256i o = _mm256_madd_epi16(_mm256_maddubs_epi16(odd, x[r]), ones);
-      sums[r][s][0] = (Ints)_mm256_add_epi32((__m256i)sums[r][s][0], e);
-      sums[r][s][1] = (Ints)_mm256_add_epi32((__m256i)sums[r][s][1], o);
-    }
-  }
-#elif defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
-  // sdot: each lane's four signed products summed (the nibbles 0..15 read as signed bytes)
-  int32x4_t x[R];
-  for (int r = 0; r < R; ++r) {
-    int32_t four;
-    std::memcpy(&four, q[r], sizeof four);
-    x[r] = vdupq_n_s32(four);
-  }
-  auto row = [&](const uint8_t* p) {
-    uint32_t four;
-    std::memcpy(&four, p, sizeof four);
-    return vreinterpret_u8_u32(vdup_n_u32(four));
-  };
-  const uint8x16_t nibble = vdupq_n_u8(0x0F);
-  for (int s = 0; s < strips; ++s) {
-    const uint8_t* p = first + s * kLanes;
-    const uint8x8x2_t rows01 = vzip_u8(row(p), row(p + row_bytes));  // byte i of row 0, of row 1, ...
-    const uint8x8x2_t rows23 = vzip_u8(row(p + 2 * row_bytes), row(p + 3 * row_bytes));
-    const uint16x4x2_t quads = vzip_u16(vreinterpret_u16_u8(rows01.val[0]), vreinterpret_u16_u8(rows23.val[0]));
-    const uint8x16_t bytes = vreinterpretq_u8_u16(vcombine_u16(quads.val[0], quads.val[1]));
-    const int8x16_t even = vreinterpretq_s8_u8(vandq_u8(bytes, nibble));  // lane i: byte i of rows 0..3, low
-    const int8x16_t odd = vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4));
-    for (int r = 0; r < R; ++r) {
-      const int8x16_t xr = vreinterpretq_s8_s32(x[r]);
-      sums[r][s][0] = (Ints)vdotq_s32((int32x4_t)sums[r][s][0], even, xr);
-      sums[r][s][1] = (Ints)vdotq_s32((int32x4_t)sums[r][s][1], odd, xr);
-    }
-  }
+}
+inline Quad quad8(const uint8_t* p, int64_t row_bytes) { return gather_rows(p, row_bytes, kLanes); }
+inline Quad load_q(const uint8_t* p) {
+  Quad v;
+  std::memcpy(v.b, p, sizeof v.b);
+  return v;
+}
+inline Quad offset_q(Quad w) { return w; }
+inline Ints dot_signed(Ints sum, const Quad& w, const Quad& x) {
+#if defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+  return (Ints)vdotq_s32((int32x4_t)sum, vld1q_s8(w.b), vld1q_s8(x.b));
 #else
-  for (int s = 0; s < strips; ++s)
-    for (int j = 0; j < 4; ++j) {
-      const uint8_t* p = first + j * row_bytes + s * kLanes;
-      for (int i = 0; i < kLanes; ++i)
-        for (int r = 0; r < R; ++r) {
-          sums[r][s][0][i] += static_cast<int32_t>(p[i] & 15) * q[r][j];
-          sums[r][s][1][i] += static_cast<int32_t>(p[i] >> 4) * q[r][j];
-        }
-    }
+  for (int i = 0; i < kLanes; ++i)
+    for (int j = 0; j < 4; ++j) sum[i] += static_cast<int32_t>(w.b[4 * i + j]) * x.b[4 * i + j];
+  return sum;
 #endif
 }
+inline Ints dot_small(Ints sum, const Quad& w, const Quad& x) { return dot_signed(sum, w, x); }
+#endif
 
-// Columns [n0, n0 + 32 strips) of R rounded rows by a packed 4-bit weight [K, N] (N % 32 == 0).
-template <int R>
-void int8_rows_strips(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, int64_t N, int64_t n0,
-                      int strips, const Blocks& q, float* out) {
-  const int64_t Kb = K / q.KB, row_bytes = N / 2;
-  alignas(64) Vec acc[R][kInt8Strips<R>][2] = {};
-  alignas(64) Ints sums[R][kInt8Strips<R>][2];
-  for (int64_t b = 0; b < q.KB; ++b) {
-    for (int r = 0; r < R; ++r)
-      for (int s = 0; s < strips; ++s) sums[r][s][0] = sums[r][s][1] = Ints{};
-    for (int64_t k = b * Kb; k < (b + 1) * Kb; k += 4) {
-      const int8_t* rows_q[R];
-      for (int r = 0; r < R; ++r) rows_q[r] = x.q.data() + (m0 + r) * K + k;
-      add_quad<R>(w + k * row_bytes + n0 / 2, row_bytes, rows_q, strips, sums);
-    }
-    for (int s = 0; s < strips; ++s) {
-      Vec scale[2], min[2] = {};
-      block_pairs(q, q.scales, b * N + n0 + s * 2 * kLanes, 2 * kLanes, scale[0], scale[1]);
-      if (q.mins) block_pairs(q, q.mins, b * N + n0 + s * 2 * kLanes, 2 * kLanes, min[0], min[1]);
-      for (int r = 0; r < R; ++r) {
-        const Vec d = Vec{} + x.d[(m0 + r) * q.KB + b], shift = Vec{} + x.s[(m0 + r) * q.KB + b];
-        for (int half = 0; half < 2; ++half) {
-          const Vec sum = __builtin_convertvector(sums[r][s][half], Vec);
-          acc[r][s][half] = fma(sum, scale[half] * d, fma(min[half], shift, acc[r][s][half]));
+template <int Bits>
+constexpr int kStripColumns = Bits == 4 ? 2 * kLanes : kLanes;  // columns a strip: its lanes (each lane 2 for 4-bit)
+
+// Whether the int8-rows product reads a weight of this form and shape ([K, N], or [N, K] when `transposed`, KB
+// blocks along K of a multiple of 4 elements): 4-bit [K, N] with N a multiple of 2 kLanes; 8-bit [K, N] with N a
+// multiple of kLanes; 8-bit [N, K] with K a multiple of 4 kLanes and a block's lanes (Kb / 4) a multiple of kLanes
+// or half of it.
+inline bool int8_rows_reads(bool packed, bool int8, bool transposed, int64_t K, int64_t N, int64_t KB) {
+  if (KB < 1 || K % KB != 0 || (K / KB) % 4 != 0) return false;
+  if (packed) return !transposed && N % (2 * kLanes) == 0;
+  if (!int8) return false;
+  if (!transposed) return N % kLanes == 0;
+  const int64_t lanes = K / KB / 4;
+  return K % (4 * kLanes) == 0 && (lanes % kLanes == 0 || 2 * lanes == kLanes);
+}
+constexpr int kStripsPerRow = kLanes == 16 ? 4 : 2;  // strips a one-row pass keeps in registers (32 of them with
+// AVX512, 16 with AVX2)
+template <int Bits, int R>
+constexpr int kPassStrips = std::max(1, kStripsPerRow * (Bits == 4 ? 1 : 2) / R);
+
+// Columns of kGroupStrips strips at a time: a block's rows of them are 2 cache lines each for 4-bit values (one
+// line pair, which the hardware fetches together), 4 for 8-bit ones.
+constexpr int kGroupStrips = kLanes == 16 ? 8 : 16;
+
+// Rows m0 .. m0 + R of x by the strips [s0, s0 + G) of a [K, N] weight (4-bit packed, or 8-bit): their output
+// columns. Block by block, C strips at a time down the block's rows with their integer sums in registers, folded
+// into the group's float sums (in L1) at the block's end; the next block's rows of those strips are fetched
+// meanwhile (the rows lie N / 2 or N bytes apart, too far for the hardware's prefetcher to follow).
+template <int Bits, int R, int C>
+void int8_group(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, int64_t N, int64_t s0, int G,
+                const Blocks& q, float* out) {
+  constexpr int H = Bits == 4 ? 2 : 1;  // even and odd columns, or the columns
+  const int64_t Kb = K / q.KB, row_bytes = Bits == 4 ? N / 2 : N;
+  Vec acc[R][kGroupStrips][H] = {};
+  auto pass = [&](int64_t b, int c0, auto strips) {  // strips c0 .. c0 + C of the group over block b
+    constexpr int P = decltype(strips)::value;
+    Ints sums[R][P][H] = {};
+    const uint8_t* first = w + b * Kb * row_bytes + (s0 + c0) * kLanes;
+    const bool fetch = b + 1 < q.KB && (s0 + c0) * kLanes % 64 == 0;
+    for (int64_t i = 0; i < Kb; i += 4) {
+      if (fetch)
+        for (int j = 0; j < 4; ++j) __builtin_prefetch(first + (Kb + i + j) * row_bytes);
+      Quad xq[R];
+      for (int r = 0; r < R; ++r) xq[r] = broadcast_q(x.q.data() + (m0 + r) * K + b * Kb + i);
+      for (int c = 0; c < P; ++c) {
+        const uint8_t* p = first + i * row_bytes + c * kLanes;  // strip c0 + c's bytes of weight row b Kb + i
+        if constexpr (Bits == 4) {
+          Quad even, odd;
+          quad4(p, row_bytes, even, odd);
+          for (int r = 0; r < R; ++r) {
+            sums[r][c][0] = dot_small(sums[r][c][0], even, xq[r]);
+            sums[r][c][1] = dot_small(sums[r][c][1], odd, xq[r]);
+          }
+        } else {
+          const Quad v = quad8(p, row_bytes);
+          for (int r = 0; r < R; ++r) sums[r][c][0] = dot_signed(sums[r][c][0], v, xq[r]);
         }
       }
     }
+    for (int c = 0; c < P; ++c) {
+      const int64_t column = (s0 + c0 + c) * kStripColumns<Bits>;
+      Vec scale[H], min[H] = {};
+      if constexpr (Bits == 4) {
+        block_pairs(q, q.scales, b * N + column, 2 * kLanes, scale[0], scale[1]);
+        if (q.mins) block_pairs(q, q.mins, b * N + column, 2 * kLanes, min[0], min[1]);
+      } else {
+        scale[0] = q.vector(q.scales, b * N + column, kLanes);
+        if (q.mins) min[0] = q.vector(q.mins, b * N + column, kLanes);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = (m0 + r) * q.KB + b;
+        const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
+        for (int h = 0; h < H; ++h) {
+          Ints sum = sums[r][c][h];
+          if constexpr (Bits == 8) sum -= kOffset * x.qsum[rb];  // 8-bit weights offset by 128 added 128 sum(q)
+          Vec& a = acc[r][c0 + c][h];
+          a = fma(__builtin_convertvector(sum, Vec), scale[h] * d, q.mins ? fma(min[h], shift, a) : a);
+        }
+      }
+    }
+  };
+  for (int64_t b = 0; b < q.KB; ++b) {
+    int c = 0;
+    for (; c + C <= G; c += C) pass(b, c, std::integral_constant<int, C>{});
+    for (; c < G; ++c) pass(b, c, std::integral_constant<int, 1>{});
   }
   for (int r = 0; r < R; ++r)
-    for (int s = 0; s < strips; ++s)
-      for (int i = 0; i < kLanes; ++i) {
-        out[r * N + n0 + s * 2 * kLanes + 2 * i] = acc[r][s][0][i];
-        out[r * N + n0 + s * 2 * kLanes + 2 * i + 1] = acc[r][s][1][i];
-      }
+    for (int c = 0; c < G; ++c) {
+      float* row = out + (m0 + r) * N + (s0 + c) * kStripColumns<Bits>;
+      if constexpr (Bits == 4)
+        for (int i = 0; i < kLanes; ++i) row[2 * i] = acc[r][c][0][i], row[2 * i + 1] = acc[r][c][1][i];
+      else
+        std::memcpy(row, &acc[r][c][0], sizeof(Vec));
+    }
 }
 
-// Every row of one matrix (x [M, K]) by a packed 4-bit weight [K, N], output columns [n0, n1) (multiples of 32).
-template <typename X>
+// Every row of one matrix (x [M, K]) by a [K, N] weight (4-bit packed or 8-bit), output columns [n0, n1)
+// (multiples of a strip's columns). Each group of strips takes every row group in turn (its bytes then in L2).
+template <int Bits, typename X>
 void int8_rows_columns(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int64_t n1,
                        const Blocks& q, float* out) {
   const RoundedRows rounded = round_rows(x, M, K, q.KB);
-  by_row_groups(M, [&](auto rows, int64_t m) {
-    constexpr int R = decltype(rows)::value;
-    for (int64_t n = n0; n < n1; n += kInt8Strips<R> * 2 * kLanes) {
-      const int strips = static_cast<int>(std::min<int64_t>(kInt8Strips<R>, (n1 - n) / (2 * kLanes)));
-      int8_rows_strips<R>(rounded, m, K, w, N, n, strips, q, out + m * N);
+  const int64_t s1 = n1 / kStripColumns<Bits>;
+  for (int64_t s = n0 / kStripColumns<Bits>; s < s1; s += kGroupStrips) {
+    const int strips = static_cast<int>(std::min<int64_t>(kGroupStrips, s1 - s));
+    by_row_groups(M, [&](auto rows, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      int8_group<Bits, R, kPassStrips<Bits, R>>(rounded, m, K, w, N, s, strips, q, out);
+    });
+  }
+}
+
+// Rows m0 .. m0 + R of x by weight rows [n0, n1) of an 8-bit [N, K] weight (an embedding as a tied lm_head), its
+// blocks of Kb = K / KB elements (Kb / 4 lanes a block: a multiple of kLanes, or kLanes / 2, RowMatmul checks).
+template <int R>
+void int8_transposed_rows(const RoundedRows& x, int64_t m0, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
+                          const Blocks& q, float* out, int64_t N) {
+  const int64_t Kb = K / q.KB, vectors = K / (4 * kLanes);
+  const int lanes_per_block = static_cast<int>(Kb / 4);
+  Lanes halves;  // lanes 0 .. kLanes / 2 of the first operand, the rest of the second
+  for (int i = 0; i < kLanes; ++i) halves[i] = i < kLanes / 2 ? i : kLanes + i;
+  auto lane_blocks = [&](auto value, int64_t v) {  // each lane's value(block) in vector v: one block, or two halves
+    const int64_t b = v * 4 * kLanes / Kb;
+    const Vec first = splat(value(b));
+    return lanes_per_block < kLanes ? __builtin_shuffle(first, splat(value(b + 1)), halves) : first;
+  };
+  std::vector<Vec> d(R * vectors);  // each lane's d, per row and vector
+  std::vector<Ints> offsets(R * vectors);
+  for (int r = 0; r < R; ++r)
+    for (int64_t v = 0; v < vectors; ++v) {
+      d[r * vectors + v] = lane_blocks([&](int64_t b) { return x.d[(m0 + r) * q.KB + b]; }, v);
+      Ints offset;
+      for (int i = 0; i < kLanes; ++i) offset[i] = kOffset * x.quads[((m0 + r) * K + v * 4 * kLanes) / 4 + i];
+      offsets[r * vectors + v] = offset;
     }
-  });
+  for (int64_t n = n0; n < n1; ++n) {
+    Vec acc[R] = {};
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w + n * K);
+    __builtin_prefetch(row + 4 * K);
+    for (int64_t v = 0; v < vectors; ++v) {
+      const Quad wv = offset_q(load_q(row + v * 4 * kLanes));
+      const Vec scale = lane_blocks([&](int64_t b) { return q.value(q.scales, n * q.KB + b); }, v);
+      for (int r = 0; r < R; ++r) {
+        const Ints sum = dot_signed(Ints{}, wv, load_q(reinterpret_cast<const uint8_t*>(x.q.data()) +
+                                                       (m0 + r) * K + v * 4 * kLanes)) -
+                         offsets[r * vectors + v];
+        acc[r] = fma(__builtin_convertvector(sum, Vec), scale * d[r * vectors + v], acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[(m0 + r) * N + n] = tree_sum(acc[r]);
+  }
+}
+
+template <typename X>
+void int8_rows_transposed(const X* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int64_t n0, int64_t n1,
+                          const Blocks& q, float* out) {
+  const RoundedRows rounded = round_rows(x, M, K, q.KB);
+  constexpr int64_t kRowsAtOnce = 64;  // weight rows every row group takes in turn
+  for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
+    const int64_t e = std::min(n1, n + kRowsAtOnce);
+    by_row_groups(M, [&](auto rows, int64_t m) {
+      int8_transposed_rows<decltype(rows)::value>(rounded, m, K, w, n, e, q, out, N);
+    });
+  }
 }
 
 }  // namespace rows

@@ -280,7 +280,7 @@ struct Blocks {
   const void* mins;  // nullptr: none
   bool half;
   int64_t KB;
-  bool int8_rows = false;  // 4-bit weights only: x's rows rounded to int8 per block first (row_int8.h)
+  bool int8_rows = false;  // 4-bit and int8 weights in blocks: x's rows rounded to int8 per block first (row_int8.h)
   float value(const void* p, int64_t i) const {
     if (!half) return static_cast<const float*>(p)[i];
 #if defined(__F16C__)
@@ -800,7 +800,12 @@ void columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool tra
     }
   }
   if constexpr (std::is_same_v<W, U4>) {
-    if (q.int8_rows) return int8_rows_columns(x, M, K, w.data, N, n0, n1, q, out);  // not transposed (checked)
+    if (q.int8_rows) return int8_rows_columns<4>(x, M, K, w.data, N, n0, n1, q, out);  // not transposed (checked)
+  }
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (q.int8_rows && transposed) return int8_rows_transposed(x, M, K, w.data, N, n0, n1, q, out);
+    if (q.int8_rows)
+      return int8_rows_columns<8>(x, M, K, reinterpret_cast<const uint8_t*>(w.data), N, n0, n1, q, out);
   }
   if constexpr (std::is_same_v<W, int8_t> || std::is_same_v<W, U4>)  // blocks: int8 and 4-bit weights only
     blocked_columns(x, M, K, w, N, transposed, n0, n1, q, out);

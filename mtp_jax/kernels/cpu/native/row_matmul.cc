@@ -9,8 +9,9 @@
 //           K / KB consecutive contracting elements (KB = 1: int8's per-output-channel scales; ones otherwise)
 //   mins    the same shape and type as scales, or empty: added per block, times the block's sum of x (4-bit blocks
 //           as llama.cpp's Q4_1 stores them: w = value * scale + min)
-//   int8_rows  (attribute) 4-bit weights [G, K, N], N a multiple of 32, blocks a multiple of 4 elements: x's rows
-//           rounded to int8 per block first, the blocks' products summed as integers (row_int8.h)
+//   int8_rows  (attribute) 4-bit weights [G, K, N] or int8 weights in blocks ([G, K, N] or [G, N, K]), the shapes
+//           `rows::int8_rows_reads` takes: x's rows rounded to int8 per block first, the blocks' products summed as
+//           integers (row_int8.h)
 //   first   int32 scalar: w, scales and mins hold S >= first + G matrices, of which first .. first + G - 1 are read
 //           (a layer's weight read in place from a stack of layers; 0 for a single weight)
 //   out     [G, M, N] float32
@@ -129,9 +130,9 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   if ((blocked && w.element_type() != ffi::S8 && !packed) || (packed && !blocked))
     return ffi::Error::InvalidArgument("row_matmul: blocks, float16 scales or mins need int8 or 4-bit weights, "
                                        "and 4-bit weights need them");
-  if (int8_rows && (!packed || transposed || N % (2 * kLanes) != 0 || (K / KB) % 4 != 0))
-    return ffi::Error::InvalidArgument("row_matmul: int8 rows need 4-bit weights [K, N], N a multiple of 32 and "
-                                       "blocks of a multiple of 4 elements");
+  if (int8_rows && !rows::int8_rows_reads(packed != 0, w.element_type() == ffi::S8, transposed != 0, K, N, KB))
+    return ffi::Error::InvalidArgument("row_matmul: int8 rows need 4-bit weights [G, K, N] or int8 ones in blocks, "
+                                       "of the shapes rows::int8_rows_reads takes");
   const Blocks stack{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB, int8_rows != 0};
   const Blocks q = stack.at_matrix(first, N);
   const int64_t matrix_bytes = K * N * static_cast<int64_t>(ffi::ByteWidth(w.element_type())) / (packed ? 2 : 1);
