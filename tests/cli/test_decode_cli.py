@@ -302,7 +302,7 @@ def test_int8_activations_decode_mtp_equal_to_plain_and_need_4bit_weights(checkp
         outputs.append([json.loads(line)["token_ids"] for line in out.splitlines()])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 5
     code, out, err = decode(capsys, *common[:-4], "--weights", "int8", "--activations", "int8")
-    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "needs 4-bit weights" in err
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1 and "needs weights in blocks" in err
 
 
 def test_partial_files_are_named_by_the_tree(tmp_path):

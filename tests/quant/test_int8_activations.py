@@ -145,7 +145,7 @@ def test_rounded_models_always_decode_batch_invariant():
 @pytest.mark.slow
 def test_int8_activations_need_4bit_weights():
     model = MODELS["gqa"]()
-    with pytest.raises(UserError, match="needs 4-bit weights"):
+    with pytest.raises(UserError, match="needs weights in blocks"):
         checkpoint.with_activations(formats.quantize_model(model, "int8"), "int8")
     with pytest.raises(UserError, match="activations must be one of"):
         mtp_jax.load_model(activations="int4")
