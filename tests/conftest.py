@@ -101,10 +101,11 @@ def hf_model(smollm2_path):
 
 @pytest.fixture(scope="session")
 def default_model(smollm2_path):
-    """Our model and tokenizer of the default GGUF, float32."""
+    """Our model and tokenizer of the default GGUF, float32, its activations unrounded (the model transformers runs:
+    `activations="auto"` rounds them to int8 on a CPU with integer dot products)."""
     from mtp_jax.loading import checkpoint
 
-    return checkpoint.load(smollm2_path, dtype="float32")
+    return checkpoint.load(smollm2_path, dtype="float32", activations="float")
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,12 @@ def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layer parameters stacked (scanned) or unstacked (one array per layer; longer compiles); "
                         "auto: unstacked where a scan copies each layer's weights every step (GPU), else "
                         "stacked")  # fmt: skip
-    parser.add_argument("--activations", choices=ACTIVATION_FORMATS, default="float",
-                        help="int8: round the activations to int8 per block before each product with a 4-bit "
-                        "weight (--weights int4, or a GGUF's Q4_1 blocks), as llama.cpp does: another model of the "
-                        "same weights, faster on a CPU with AVX512-VNNI")  # fmt: skip
+    parser.add_argument("--activations", choices=ACTIVATION_FORMATS, default="auto",
+                        help="int8: round the activations to int8 per block before each product with a weight in "
+                        "blocks (--weights int4, or a GGUF's Q4_1 and Q8_0 blocks), as llama.cpp does: another model "
+                        "of the same weights, faster on a CPU whose row kernel has integer dot products (AVX512-VNNI, "
+                        "AVX2, NEON dotprod); float: as they are; auto (default): int8 where a GGUF's blocks are "
+                        "kept on such a CPU, else float")  # fmt: skip
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

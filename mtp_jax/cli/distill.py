@@ -36,8 +36,8 @@ def answers(model, tokenizer, prompts: list[dict], *, max_new_tokens: int, batch
             seed: int = 0, streams: Sequence[int] | None = None) -> Iterator[tuple[int, dict]]:  # fmt: skip
     """(i, record) for each prompt i of `prompts` as its answer finishes: plain-decoded (k = 0) responses to
     chat-templated prompts, as full token sequences; greedy, or sampled at `temperature` with the stream of key(seed)
-    folded with streams[i] (default i). `batch_size` rows decode at once, slots that refill (`Engine`): a row whose answer
-    ends takes the next prompt."""
+    folded with streams[i] (default i). `batch_size` rows decode at once, slots that refill (`Engine`): a row whose
+    answer ends takes the next prompt."""
     encoded = encode_prompts(
         [p["prompt"] for p in prompts], tokenizer, chat=True, vocab_size=model.config.vocab_size,
         context=model.config.max_position_embeddings,
@@ -48,8 +48,9 @@ def answers(model, tokenizer, prompts: list[dict], *, max_new_tokens: int, batch
     root = jax.random.key(seed)
     prompt_of = {}
     for prompt in encoded:
+        stream = prompt.index if streams is None else streams[prompt.index]
         request = Request(prompt.token_ids, max_new_tokens, temperature=temperature,
-                          key=jax.random.fold_in(root, prompt.index if streams is None else streams[prompt.index]))  # fmt: skip
+                          key=jax.random.fold_in(root, stream))  # fmt: skip
         prompt_of[engine.submit(request)] = prompt
     responses = {request_id: [] for request_id in prompt_of}
     with tqdm(total=len(encoded), desc="distilling", unit="prompt", file=sys.stderr) as bar:
@@ -58,12 +59,15 @@ def answers(model, tokenizer, prompts: list[dict], *, max_new_tokens: int, batch
                 responses[update.request_id] += update.tokens
                 if update.finished:
                     prompt = prompt_of[update.request_id]
-                    yield prompt.index, {
-                        "token_ids": list(prompt.token_ids) + responses.pop(update.request_id),
-                        "prompt_len": len(prompt.token_ids),
-                        "category": prompts[prompt.index].get("category", ""),
-                        "prompt": prompts[prompt.index]["prompt"],
-                    }
+                    yield (
+                        prompt.index,
+                        {
+                            "token_ids": list(prompt.token_ids) + responses.pop(update.request_id),
+                            "prompt_len": len(prompt.token_ids),
+                            "category": prompts[prompt.index].get("category", ""),
+                            "prompt": prompts[prompt.index]["prompt"],
+                        },
+                    )
                     bar.update()
 
 

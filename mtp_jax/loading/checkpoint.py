@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 
 from mtp_jax.conversion.convert import config_of
 from mtp_jax.conversion.placement import read_params
+from mtp_jax.kernels.cpu import cpu_rows
 from mtp_jax.loading.default_conversion import load_default
 from mtp_jax.loading.heads import attach_head, head_for
 from mtp_jax.loading.hub import local_path
@@ -18,7 +19,7 @@ from mtp_jax.parallel.sharding import ShardingRules, rules_for
 from mtp_jax.params.converted import is_converted, restore_converted
 from mtp_jax.params.open_source import open_source
 from mtp_jax.params.tree import assemble, nest
-from mtp_jax.quant.formats import ACTIVATION_FORMATS, quantize_model
+from mtp_jax.quant.formats import ACTIVATION_FORMATS, head_in_trunk_blocks, quantize_model
 from mtp_jax.quant.int8_activations import mark_int8_activations
 from mtp_jax.quant.quantized_array import is_quantized
 from mtp_jax.runtime.errors import UserError
@@ -38,7 +39,7 @@ def load(
     head: str | None = None,
     default_head: bool = True,
     weights: str = "auto",
-    activations: str = "float",
+    activations: str = "auto",
 ):
     """(model, tokenizer or None) for `path`; None means the default model. `path` may also be a Hugging Face repo
     id, `ORG/NAME[@REVISION]` (`mtp_jax.loading.hub`; an existing local path of that name wins).
@@ -58,8 +59,10 @@ def load(
     every matmul weight of any other as fp8 with 128 x 128 block scales.
 
     `activations`: "float" multiplies every weight by the activations as they are; "int8" rounds them to int8 per
-    block before each product with a 4-bit weight, as llama.cpp does (`quant.mark_int8_activations`): another model of
-    the same weights, faster on a CPU with AVX512-VNNI. Needs 4-bit weights ("int4", or a GGUF's Q4_1 under "auto").
+    block before each product with a weight in blocks, as llama.cpp does (`quant.mark_int8_activations`): another
+    model of the same weights, faster on a CPU whose row kernel sums integer products in vectors. Needs weights in
+    blocks ("int4", or a GGUF's Q4_1 / Q8_0 under "auto"). "auto" (the default): "int8" where `int8_pays`, else
+    "float".
     """
     if activations not in ACTIVATION_FORMATS:
         raise UserError(f"activations must be one of {', '.join(ACTIVATION_FORMATS)}; got {activations!r}")
@@ -69,11 +72,23 @@ def load(
     model = attach_head(model, head) if head else model
     if not (weights == "fp8" and is_quantized(model)):  # the checkpoint's own fp8: what it left alone stays so
         model = quantize_model(model, weights)
-    return with_activations(model, activations), tokenizer
+    if weights == "auto" and keeps_gguf_blocks(weights, rules_for(mesh)):
+        model = head_in_trunk_blocks(model)  # a GGUF trunk's blocks: the MTP layer in Q8_0 blocks beside them
+    return with_activations(model, activations, rules_for(mesh)), tokenizer
 
 
-def with_activations(model, activations: str):
-    """`model` with its 4-bit weights multiplying activations as `activations` says (`load`)."""
+def int8_pays(model, rules: ShardingRules | None) -> bool:
+    """Whether activations rounded to int8 are the faster model here: its weights held in a GGUF's blocks on a CPU
+    (`keeps_gguf_blocks`) and a row kernel whose int8-rows product sums integer products in vectors (vpdpbusd with
+    AVX512-VNNI, vpmaddubsw with AVX2, sdot with NEON's dotprod). Measured: docs/benchmarks.md#cpu."""
+    dot = cpu_rows.integer_dot() if keeps_gguf_blocks("auto", rules) else None
+    return dot not in (None, "none") and is_quantized(model)
+
+
+def with_activations(model, activations: str, rules: ShardingRules | None = None):
+    """`model` with its weights in blocks multiplying activations as `activations` says (`load`)."""
+    if activations == "auto":
+        activations = "int8" if int8_pays(model, rules) else "float"
     if activations == "int8" and not mark_int8_activations(model):
         raise UserError(
             "activations int8 needs weights in blocks: --weights int4, or a GGUF's Q4_1 and Q8_0 blocks under "
@@ -117,7 +132,7 @@ def load_model(
     head: str | None = None,
     default_head: bool = True,
     weights: str = "auto",
-    activations: str = "float",
+    activations: str = "auto",
 ) -> CausalLM:
     """The model at `path` (converted folder, Hugging Face folder or repo id `ORG/NAME[@REVISION]`, or .gguf); None
     means the default model.

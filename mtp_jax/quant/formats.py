@@ -30,7 +30,7 @@ from mtp_jax.quant.quantized_array import QuantizedArray, WeightFormat
 
 STORED_FORMATS: dict[str, WeightFormat] = {fmt.name: fmt for fmt in (INT8, INT4, FP8)}  # each from its module
 WEIGHT_FORMATS = ("auto", "bfloat16", *STORED_FORMATS)  # how matmul weights are stored (`--weights`)
-ACTIVATION_FORMATS = ("float", "int8")  # what 4-bit weights multiply: int8_activations.mark_int8_activations
+ACTIVATION_FORMATS = ("auto", "float", "int8")  # what blocked weights multiply: checkpoint.with_activations
 
 
 def stored_format(matmul: MatmulAxes | None, weights: str) -> WeightFormat | None:
@@ -86,6 +86,27 @@ def quantize_model(model, weights: str):
             place = lambda leaf, layout=layout: jax.device_put(leaf, rules.sharding(layout, leaf.shape))
             quantized = jax.tree.map(place, quantized)
         param.set_value(quantized)
+    return model
+
+
+def head_in_trunk_blocks(model):
+    """Under `--weights auto`, where the trunk's projections are held in a GGUF's blocks (a CPU's row kernel reads
+    them as stored: Q4_1 / Q8_0), store the MTP layer's projections (its fusion `proj` included) in Q8_0 blocks too
+    (`quantize_int8_blocks`: int8, a float16 scale per 32 contracting elements), in place: a draft pass then reads a
+    quarter of a float32 layer's bytes, through the same kernel. Returns the model."""
+    trunk_blocks = any(
+        isinstance(param.get_value(), QuantizedArray)
+        for path, param in nnx.iter_graph(model)
+        if isinstance(param, nnx.Param) and "mtp" not in path
+    )
+    if not trunk_blocks or getattr(model, "sharding_rules", None) is not None:
+        return model
+    for path, param in list(nnx.iter_graph(model)):
+        if not isinstance(param, nnx.Param) or "mtp" not in path or isinstance(param.get_value(), QuantizedArray):
+            continue
+        matmul = param_matmul(param, "/".join(str(p) for p in path))
+        if matmul is not None and not matmul.vocabulary:
+            param.set_value(SHIPPED_BLOCKS["Q8_0"](param.get_value(), matmul.contracting))
     return model
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax.quant.matmul_axes import MATMUL_KEY
 from mtp_jax.quant.quantized_array import QuantizedArray
 
 INT8_ROW_LEVELS = 127.0  # activations rounded to int8 (`activations_rounded_to_int8`): -127..127
@@ -52,14 +53,18 @@ def in_blocks(weight: QuantizedArray) -> bool:
 
 
 def mark_int8_activations(model) -> int:
-    """Mark every weight of `model` stored in blocks (`in_blocks`: `--weights int4`, a GGUF's Q4_1 and Q8_0 blocks)
-    to multiply activations rounded to int8 per block (`activations_rounded_to_int8`), as llama.cpp multiplies them,
-    in place; returns how many. A different model from the float activations' (logits move by about the weights' own
-    error; measured in docs/benchmarks-log.md, "Batch 1 on a new CPU"), but plain and MTP decoding of it agree as
-    ever: each row is rounded by itself."""
+    """Mark every matmul weight of `model` stored in blocks (`in_blocks`: `--weights int4`, a GGUF's Q4_1 and Q8_0
+    blocks) to multiply activations rounded to int8 per block (`activations_rounded_to_int8`), as llama.cpp multiplies
+    them, in place; returns how many. Embeddings keep float rows: an embedding read as a tied lm_head is a product of
+    [V, D] rows, whose int8 form on a CPU was no faster than its float one (docs/benchmarks-log.md). A different model
+    from the float activations' (logits move by about the weights' own error; measured in docs/benchmarks-log.md,
+    "Batch 1 on a new CPU"), but plain and MTP decoding of it agree as ever: each row is rounded by itself."""
     marked = 0
     for _, param in nnx.iter_graph(model):
         value = param.get_value() if isinstance(param, nnx.Param) else None
+        matmul = param.get_metadata().get(MATMUL_KEY) if isinstance(param, nnx.Param) else None
+        if matmul is not None and matmul.vocabulary and matmul.contracting[-1:] == (1,):
+            continue  # an embedding [V, D]
         if isinstance(value, QuantizedArray) and in_blocks(value) and not value.int8_activations:
             param.set_value(dataclasses.replace(value, int8_activations=True))
             marked += 1

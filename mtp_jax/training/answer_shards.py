@@ -44,6 +44,7 @@ class ShardRun:
     def name(self, start: int, end: int) -> str:
         return f"{self.split}-seed{self.seed}-t{self.temperature:g}-max{self.max_new_tokens}-{start:07d}-{end:07d}.npz"
 
+
 def ranges(num_prompts: int, shard_prompts: int, available: int) -> list[tuple[int, int]]:
     """The prompt ranges of the shards that hold the first `num_prompts` prompts: whole shards of `shard_prompts`
     (so that a longer run's shards are the shorter one's and more), the last cut at the `available` prompts."""

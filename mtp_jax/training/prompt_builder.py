@@ -2,8 +2,9 @@
 
 Sources, all on this machine: hand-written templates, topics and tasks (below), arithmetic word problems with
 seeded numbers, and docstrings of the Python standard library's modules and of their public functions and classes
-(for summarisation; their text depends on the Python version). Every (template, subject) pair is assigned to "train" or "eval" by a stable hash, and eval subjects are
-never used for training, so the two sets are disjoint by construction.
+(for summarisation; their text depends on the Python version). Every (template, subject) pair is assigned to
+"train" or "eval" by a stable hash, and eval subjects are never used for training, so the two sets are disjoint by
+construction.
 """
 
 from __future__ import annotations

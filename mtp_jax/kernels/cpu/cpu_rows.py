@@ -51,6 +51,7 @@ SYMBOL = "MtpJaxRowMatmul"
 ATTENTION_TARGET = "mtp_jax_cache_attention"  # native/cache_attention.cc, same library (cpu_attention.py)
 ATTENTION_SYMBOL = "MtpJaxCacheAttention"
 ISA_SYMBOL = "MtpJaxRowIsa"  # the ISA level the library was built for
+DOT_SYMBOL = "MtpJaxRowIntegerDot"  # how its int8-rows product sums four products
 CACHED_BUILDS = 8  # libraries kept in the user's cache (the newest; other environments' builds among them)
 ROWS_MAX = 64  # rows per pass that take the kernel outside batch-invariant decoding
 DISABLE_ENV = "MTP_JAX_NATIVE"
@@ -60,6 +61,7 @@ BLOCK_LANES = 16  # a weight read as [G, N, K] with blocks: whole vectors of thi
 _LOCK = threading.Lock()
 _REGISTERED: list[Path] = []  # the library whose handlers this process registered
 _LEVEL: list[str] = []  # its ISA level and -march
+_DOT: list[str] = []  # its integer dot
 
 
 def build_dir() -> Path:
@@ -68,13 +70,13 @@ def build_dir() -> Path:
 
 
 def _load(path: Path):
-    """(the row product's handler, the decode attention's, the ISA level's name) of the library at `path`, or None
-    where it cannot be loaded (truncated, overwritten)."""
+    """(the row product's handler, the decode attention's, the ISA level's name, the integer dot's) of the library at
+    `path`, or None where it cannot be loaded (truncated, overwritten)."""
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
-        isa = getattr(library, ISA_SYMBOL)
-        isa.restype = ctypes.c_char_p
-        return getattr(library, SYMBOL), getattr(library, ATTENTION_SYMBOL), isa().decode()
+        isa, dot = getattr(library, ISA_SYMBOL), getattr(library, DOT_SYMBOL)
+        isa.restype = dot.restype = ctypes.c_char_p
+        return getattr(library, SYMBOL), getattr(library, ATTENTION_SYMBOL), isa().decode(), dot().decode()
     except (OSError, AttributeError):
         return None
 
@@ -91,6 +93,12 @@ def level() -> str:
     status where none is: for `bench`'s header and `decode`'s summary."""
     state = status()
     return _LEVEL[0] if state == "ready" else state
+
+
+def integer_dot() -> str | None:
+    """How the registered kernel's int8-rows product sums a lane's four products ("vpdpbusd", "vpmaddubsw", "sdot";
+    "none" where it adds them one at a time), or None where no kernel is ready."""
+    return _DOT[0] if status() == "ready" else None
 
 
 def reset_status() -> None:
@@ -134,6 +142,7 @@ def _status_once() -> str:
                 jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(function), platform="cpu")
             _REGISTERED.append(path)
             _LEVEL.append(f"{handlers[2]}, -march={kernel_build.march()}")
+            _DOT.append(handlers[3])
     except (OSError, RuntimeError, subprocess.SubprocessError, importlib.metadata.PackageNotFoundError) as e:
         return f"off ({e})"
     return "ready"

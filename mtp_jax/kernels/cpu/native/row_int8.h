@@ -69,6 +69,7 @@ RoundedRows round_rows(const X* x, int64_t M, int64_t K, int64_t KB) {
 //   dot_small(sum, w, x): sum + each lane's four products, w's bytes 0..15
 //   dot_signed(sum, w, x): the same for signed bytes; with kOffset, w's bytes were offset by 128 (quad8 does it)
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+constexpr const char* kIntegerDot = "vpdpbusd";  // how a lane's four products are summed
 typedef __m512i Quad;
 constexpr int kOffset = 128;
 inline Quad broadcast_q(const int8_t* q) {
@@ -100,6 +101,7 @@ inline Quad offset_q(Quad w) { return _mm512_xor_si512(w, _mm512_set1_epi8(stati
 inline Ints dot_small(Ints sum, Quad w, Quad x) { return (Ints)_mm512_dpbusd_epi32((__m512i)sum, w, x); }
 inline Ints dot_signed(Ints sum, Quad w, Quad x) { return (Ints)_mm512_dpbusd_epi32((__m512i)sum, w, x); }
 #elif defined(ROWS_AVX2)
+constexpr const char* kIntegerDot = "vpmaddubsw";
 typedef __m256i Quad;
 constexpr int kOffset = 0;
 inline Quad broadcast_q(const int8_t* q) {
@@ -132,6 +134,11 @@ inline Ints dot_signed(Ints sum, Quad w, Quad x) {
 struct Quad {
   int8_t b[4 * kLanes];
 };
+#if defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+constexpr const char* kIntegerDot = "sdot";
+#else
+constexpr const char* kIntegerDot = "none";  // one product at a time
+#endif
 constexpr int kOffset = 0;
 inline Quad broadcast_q(const int8_t* q) {
   Quad v;
@@ -266,13 +273,91 @@ void int8_group(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, i
     }
 }
 
+// int8_group for one or two rows, where the weight's read sets the pace rather than the sums: kStreamStrips strips
+// (hundreds of contiguous bytes of each weight row) at a time, row after row down K, their sums in L1, so the read
+// is a stream the hardware prefetches well. The same sums and the same fold as int8_group: the same bits.
+constexpr int kStreamStrips = 24 * 16 / kLanes;
+constexpr int kStreamRows = 2;  // the most rows streamed so
+template <int Bits, int R>
+void int8_stream(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, int64_t N, int64_t s0, int G,
+                 const Blocks& q, float* out) {
+  constexpr int H = Bits == 4 ? 2 : 1;
+  const int64_t Kb = K / q.KB, row_bytes = Bits == 4 ? N / 2 : N;
+  alignas(64) Vec acc[R][kStreamStrips][H] = {};
+  alignas(64) Ints sums[R][kStreamStrips][H];
+  const uint8_t* first = w + s0 * kLanes;
+  for (int64_t b = 0; b < q.KB; ++b) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < G; ++c)
+        for (int h = 0; h < H; ++h) sums[r][c][h] = Ints{};
+    for (int64_t k = b * Kb; k < (b + 1) * Kb; k += 4) {
+      Quad xq[R];
+      for (int r = 0; r < R; ++r) xq[r] = broadcast_q(x.q.data() + (m0 + r) * K + k);
+      for (int c = 0; c < G; ++c) {
+        const uint8_t* p = first + k * row_bytes + c * kLanes;
+        if (c % (64 / kLanes) == 0 && k + 12 <= K)  // a cache line's strips: its rows eight ahead
+          for (int j = 0; j < 4; ++j) __builtin_prefetch(p + (8 + j) * row_bytes);
+        if constexpr (Bits == 4) {
+          Quad even, odd;
+          quad4(p, row_bytes, even, odd);
+          for (int r = 0; r < R; ++r) {
+            sums[r][c][0] = dot_small(sums[r][c][0], even, xq[r]);
+            sums[r][c][1] = dot_small(sums[r][c][1], odd, xq[r]);
+          }
+        } else {
+          const Quad v = quad8(p, row_bytes);
+          for (int r = 0; r < R; ++r) sums[r][c][0] = dot_signed(sums[r][c][0], v, xq[r]);
+        }
+      }
+    }
+    for (int c = 0; c < G; ++c) {
+      const int64_t column = (s0 + c) * kStripColumns<Bits>;
+      Vec scale[H], min[H] = {};
+      if constexpr (Bits == 4) {
+        block_pairs(q, q.scales, b * N + column, 2 * kLanes, scale[0], scale[1]);
+        if (q.mins) block_pairs(q, q.mins, b * N + column, 2 * kLanes, min[0], min[1]);
+      } else {
+        scale[0] = q.vector(q.scales, b * N + column, kLanes);
+        if (q.mins) min[0] = q.vector(q.mins, b * N + column, kLanes);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = (m0 + r) * q.KB + b;
+        const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
+        for (int h = 0; h < H; ++h) {
+          Ints sum = sums[r][c][h];
+          if constexpr (Bits == 8) sum -= kOffset * x.qsum[rb];
+          Vec& a = acc[r][c][h];
+          a = fma(__builtin_convertvector(sum, Vec), scale[h] * d, q.mins ? fma(min[h], shift, a) : a);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < G; ++c) {
+      float* row = out + (m0 + r) * N + (s0 + c) * kStripColumns<Bits>;
+      if constexpr (Bits == 4)
+        for (int i = 0; i < kLanes; ++i) row[2 * i] = acc[r][c][0][i], row[2 * i + 1] = acc[r][c][1][i];
+      else
+        std::memcpy(row, &acc[r][c][0], sizeof(Vec));
+    }
+}
+
 // Every row of one matrix (x [M, K]) by a [K, N] weight (4-bit packed or 8-bit), output columns [n0, n1)
-// (multiples of a strip's columns). Each group of strips takes every row group in turn (its bytes then in L2).
+// (multiples of a strip's columns): one or two rows streamed (int8_stream), more in groups of strips (int8_group),
+// each group taking every row group in turn (its bytes then in L2).
 template <int Bits, typename X>
 void int8_rows_columns(const X* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t n0, int64_t n1,
                        const Blocks& q, float* out) {
   const RoundedRows rounded = round_rows(x, M, K, q.KB);
   const int64_t s1 = n1 / kStripColumns<Bits>;
+  if (M <= kStreamRows) {
+    for (int64_t s = n0 / kStripColumns<Bits>; s < s1; s += kStreamStrips) {
+      const int strips = static_cast<int>(std::min<int64_t>(kStreamStrips, s1 - s));
+      if (M == 1) int8_stream<Bits, 1>(rounded, 0, K, w, N, s, strips, q, out);
+      else int8_stream<Bits, 2>(rounded, 0, K, w, N, s, strips, q, out);
+    }
+    return;
+  }
   for (int64_t s = n0 / kStripColumns<Bits>; s < s1; s += kGroupStrips) {
     const int strips = static_cast<int>(std::min<int64_t>(kGroupStrips, s1 - s));
     by_row_groups(M, [&](auto rows, int64_t m) {

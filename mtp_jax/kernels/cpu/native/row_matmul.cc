@@ -169,3 +169,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpJaxRowMatmul, RowMatmul,
 // The ISA level the library was built for ("avx512", "avx2", "sse4", "neon", "neon-dotprod" or "generic"):
 // cpu_rows.level() reads it.
 extern "C" const char* MtpJaxRowIsa() { return rows::kIsa; }
+
+// How the int8-rows product sums a lane's four integer products ("vpdpbusd", "vpmaddubsw", "sdot", or "none": one
+// at a time): cpu_rows.integer_dot() reads it, to choose the default activations.
+extern "C" const char* MtpJaxRowIntegerDot() { return rows::kIntegerDot; }
