@@ -122,7 +122,7 @@ def load_target(args, notes: list[str]):
         dtype = args.dtype or checkpoint.default_dtype()
         model = causal_lm.CausalLM(SHAPES[args.random_shape](), dtype=dtype, rngs=nnx.Rngs(0))
         model = quantize_model(model if mesh is None else shard_model(model, mesh), args.weights)
-        model = checkpoint.with_activations(model, args.activations)
+        model = checkpoint.with_activations(model, args.activations, None, args.weights)
         return (
             causal_lm.hold_for_platform(model, args.layer_layout),
             None,

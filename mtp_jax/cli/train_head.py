@@ -29,6 +29,7 @@ from mtp_jax.loading.hub import MODEL_HELP
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.runtime.errors import UserError, run_cli
 from mtp_jax.runtime.files import write_atomically
+from mtp_jax.training import answer_shards
 from mtp_jax.training.acceptance import acceptance_counts, summarize, teacher_forced_predictions
 from mtp_jax.training.head_training import (
     SequenceData,
@@ -45,7 +46,8 @@ from mtp_jax.training.head_training import (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mtp_jax.train_head", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help=f"the trunk: {MODEL_HELP} (default: the default model)")
-    parser.add_argument("--data", required=True, help="training JSONL (token sequences or prompts)")
+    parser.add_argument("--data", required=True, help="training JSONL (token sequences or prompts), or a folder of "
+                        "answer shards (python -m mtp_jax.distill --shards)")  # fmt: skip
     parser.add_argument("--eval-data", help="held-out JSONL for teacher-forced acceptance")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True, help="head folder to write")
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="ce: cross-entropy on the data's next-next tokens; kl / tv: match the trunk's next-token distribution "
         "(KL divergence / total variation, the latter the rejection rate of sampled verification at temperature 1)",
     )  # fmt: skip
+    parser.add_argument("--training-time-test", action="store_true", help="the deeper steps attend as a decode "
+                        "round's drafts do: to the MTP layer's states over the true hiddens up to their chain's start "
+                        "and to their chain's own drafts (EAGLE-3's training-time test)")  # fmt: skip
     parser.add_argument("--draft-vocab", type=int, default=0, help="draft over the N most frequent tokens "
                         "(0: all); --init existing keeps the head's own subset when it has N tokens")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=16)
@@ -121,7 +126,10 @@ def training_model(trunk, args, records):
 
 
 def load_sequences(path: str, model, tokenizer) -> list[dict]:
-
+    """The token sequences of `path`: a folder of answer shards (`distill --shards`), JSONL of sequences, or JSONL
+    of prompts (answered here by the trunk, greedily)."""
+    if os.path.isdir(path):
+        return answer_shards.read(path, trunk_fingerprint(model.config))
     try:
         records = read_records(path)
     except OSError as e:
@@ -189,7 +197,7 @@ def run(args) -> int:
         eval_data = SequenceData(model, load_sequences(args.eval_data, model, tokenizer), args.seq_len)
     cfg = TrainConfig(
         num_steps=args.num_mtp_steps, objective=args.objective, train_steps=args.steps, batch_size=args.batch_size,
-        learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed,
+        learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed, training_time_test=args.training_time_test,
     )  # fmt: skip
     trainer = Trainer(model, cfg)
     if resuming and trainer.restore(checkpoints):
@@ -241,9 +249,13 @@ def run_settings(args, model) -> dict:
     optimization settings (not --steps: a run may be extended)."""
 
     digest = hashlib.sha256()
-    with open(args.data, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    folder = os.path.isdir(args.data)
+    files = sorted(os.path.join(args.data, n) for n in os.listdir(args.data)) if folder else [args.data]
+    for file in files:
+        digest.update(os.path.basename(file).encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(chunk)
     vocab = None if model.draft_vocab is None else np.asarray(model.draft_vocab[...])
     settings = {
         "trunk": trunk_fingerprint(model.config),
@@ -252,7 +264,7 @@ def run_settings(args, model) -> dict:
         "data_sha256": digest.hexdigest(),
         "dtype": np.dtype(model.dtype).name,
         **{name: getattr(args, name) for name in ("objective", "num_mtp_steps", "batch_size", "seq_len", "lr",
-                                                  "warmup", "seed")},
+                                                  "warmup", "seed", "training_time_test")},
     }  # fmt: skip
     return json.loads(json.dumps(settings))  # as read back from the file
 

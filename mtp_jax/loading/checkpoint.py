@@ -74,21 +74,24 @@ def load(
         model = quantize_model(model, weights)
     if weights == "auto" and keeps_gguf_blocks(weights, rules_for(mesh)):
         model = head_in_trunk_blocks(model)  # a GGUF trunk's blocks: the MTP layer in Q8_0 blocks beside them
-    return with_activations(model, activations, rules_for(mesh)), tokenizer
+    return with_activations(model, activations, rules_for(mesh), weights), tokenizer
 
 
-def int8_pays(model, rules: ShardingRules | None) -> bool:
-    """Whether activations rounded to int8 are the faster model here: its weights held in a GGUF's blocks on a CPU
-    (`keeps_gguf_blocks`) and a row kernel whose int8-rows product sums integer products in vectors (vpdpbusd with
-    AVX512-VNNI, vpmaddubsw with AVX2, sdot with NEON's dotprod). Measured: docs/benchmarks.md#cpu."""
-    dot = cpu_rows.integer_dot() if keeps_gguf_blocks("auto", rules) else None
-    return dot not in (None, "none") and is_quantized(model)
+def int8_pays(weights: str, rules: ShardingRules | None) -> bool:
+    """Whether activations rounded to int8 are the faster model here for weights loaded as `weights`: a GGUF's blocks
+    kept on a CPU (`keeps_gguf_blocks`) and a row kernel whose int8-rows product sums integer products in vectors
+    (vpdpbusd with AVX512-VNNI, vpmaddubsw with AVX2, sdot with NEON's dotprod). Measured:
+    docs/benchmarks.md#avx512-host-intel-xeon."""
+    return keeps_gguf_blocks(weights, rules) and cpu_rows.integer_dot() not in (None, "none")
 
 
-def with_activations(model, activations: str, rules: ShardingRules | None = None):
-    """`model` with its weights in blocks multiplying activations as `activations` says (`load`)."""
+def with_activations(model, activations: str, rules: ShardingRules | None = None, weights: str = "auto"):
+    """`model` with its weights in blocks multiplying activations as `activations` says (`load`); "auto" rounds them
+    where `int8_pays` and the model holds weights in blocks (a GGUF's), and leaves any other model as it is."""
     if activations == "auto":
-        activations = "int8" if int8_pays(model, rules) else "float"
+        if int8_pays(weights, rules):
+            mark_int8_activations(model)
+        return model
     if activations == "int8" and not mark_int8_activations(model):
         raise UserError(
             "activations int8 needs weights in blocks: --weights int4, or a GGUF's Q4_1 and Q8_0 blocks under "

@@ -77,6 +77,9 @@ def write(folder: str, run: ShardRun, start: int, end: int, records: list[dict],
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -48,8 +48,14 @@ class Batch:
     loss_start: jax.Array  # [B] first target position that counts (the response start)
 
 
-def step_logits(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps: int) -> list[jax.Array]:
-    """Draft-vocabulary logits [B, T, Vd] of each step; at every step slot s predicts x[s+2]."""
+def step_logits(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps: int,
+                training_time_test: bool = False) -> list[jax.Array]:  # fmt: skip
+    """Draft-vocabulary logits [B, T, Vd] of each step; at every step slot s predicts x[s+2]. Step k > 1 runs the
+    MTP block over step k - 1's outputs at every slot, so its attention sees recursed states where a decode round's
+    draft sees the MTP layer's states over the true hiddens; `training_time_test`: as a round does
+    (`step_logits_ttt`)."""
+    if training_time_test:
+        return step_logits_ttt(model, tokens, hidden, num_steps)
     batch_size, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width), (batch_size, width))
     next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch_size, 1), tokens.dtype)], axis=1)  # x[s+1]
@@ -59,6 +65,38 @@ def step_logits(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps
         recurse, normed, _ = model.mtp_step(hidden, next_tokens, positions, cache)
         logits.append(model.draft_logits(normed))
         hidden = jnp.concatenate([jnp.zeros_like(recurse[:, :1]), recurse[:, :-1]], axis=1)  # slot s <- s-1
+    return logits
+
+
+def ttt_mask(depth: int, width: int) -> np.ndarray:
+    """[depth W, depth W] bool: which entries of a training-time-test block each sees. Entry (i, s) (index (i-1) W +
+    s) is depth i's draft at slot s, of the chain started at t = s - i + 1. As a decode round drafts it, it sees the
+    MTP cache over the true hiddens up to the chain's start (depth 1's entries at slots <= t) and the chain's own
+    drafts (depth m's entry at slot t + m - 1 for m = 2..i, itself the last)."""
+    i = np.repeat(np.arange(1, depth + 1), width)[:, None]  # [D W, 1] each entry's depth
+    s = np.tile(np.arange(width), depth)[:, None]  # its slot
+    m, u = i.T, s.T  # [1, D W]: the seen entry's depth and slot
+    start = s - i + 1
+    return ((m == 1) & (u <= start)) | ((m >= 2) & (m <= i) & (u == start + m - 1))
+
+
+def step_logits_ttt(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps: int) -> list[jax.Array]:
+    """`step_logits` with training-time test (EAGLE-3): each step's drafts attend as a decode round's do, to the MTP
+    layer's states over the true hiddens up to their chain's start and to their chain's own earlier drafts, not to
+    other chains' recursed states. Step k runs the MTP block over the entries of depths 1..k at once (`ttt_mask`),
+    the deeper ones' hiddens the outputs of the step before, one slot back."""
+    batch_size, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width), (batch_size, width))
+    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch_size, 1), tokens.dtype)], axis=1)  # x[s+1]
+    inputs, logits = [hidden], []
+    for step in range(1, num_steps + 1):
+        mask = jnp.broadcast_to(jnp.asarray(ttt_mask(step, width)), (batch_size, step * width, step * width))
+        cache = model.new_mtp_cache(batch_size, 1)  # a full-sequence pass, no past
+        recurse, normed, _ = model.mtp_step(jnp.concatenate(inputs, axis=1), jnp.tile(next_tokens, (1, step)),
+                                            jnp.tile(positions, (1, step)), cache, block_mask=mask)  # fmt: skip
+        logits.append(model.draft_logits(normed[:, -width:]))
+        deepest = recurse[:, -width:]
+        inputs.append(jnp.concatenate([jnp.zeros_like(deepest[:, :1]), deepest[:, :-1]], axis=1))  # slot s <- s-1
     return logits
 
 
@@ -72,7 +110,8 @@ def trunk_draft_log_probs(model: CausalLM, hidden: jax.Array) -> jax.Array:
     return jax.nn.log_softmax(jax.lax.stop_gradient(logits), axis=-1)
 
 
-def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax.Array, objective: str = "ce"):
+def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax.Array, objective: str = "ce",
+                training_time_test: bool = False):  # fmt: skip
     """Per-step (mean loss [K], argmax accuracy [K], counted slots [K]).
 
     objective "ce": cross-entropy on x[s+2]; target_index [V] maps a token id to its index in the draft vocabulary
@@ -94,7 +133,7 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
         raise ValueError(f"unknown objective {objective!r}; known: ce, kl, tv")
     safe_target = jnp.maximum(target_draft, 0)
     losses, accuracies, counts = [], [], []
-    for step, logits in enumerate(step_logits(model, tokens, batch.hidden, num_steps)):
+    for step, logits in enumerate(step_logits(model, tokens, batch.hidden, num_steps, training_time_test)):
         log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, T, Vd]
         if objective == "ce":
             loss = -jnp.take_along_axis(log_q, safe_target[..., None], -1)[..., 0]
@@ -114,6 +153,7 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
 class TrainConfig:
     num_steps: int = 3  # K recursive MTP steps in the objective
     objective: str = "ce"  # "ce" on the next-next token, "kl" or "tv" to the trunk's distribution (module docstring)
+    training_time_test: bool = False  # deeper steps attend as a decode round's drafts do (`step_logits_ttt`)
     beta: float = 0.6
     train_steps: int = 1000
     batch_size: int = 16
@@ -172,7 +212,7 @@ class Trainer:
         def objective(params):
             model = nnx.merge(self.graphdef, params, frozen)
             losses, accuracies, counts = step_losses(
-                model, batch, self.cfg.num_steps, self.target_index, self.cfg.objective
+                model, batch, self.cfg.num_steps, self.target_index, self.cfg.objective, self.cfg.training_time_test
             )
             return jnp.sum(self.weights * losses), (losses, accuracies, counts)
 

@@ -12,6 +12,7 @@ from mtp_jax.cli.bench_serve import StreamTiming, summarize
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("optimized_compiles")  # conftest.py: the default model's compiles as the CLI makes them
 def test_refill_rows_compare_slots_with_static_batches(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = bench_main(["--refill", "--prompts", "6", "--batch-sizes", "2", "--num-draft", "1", "--max-new-tokens",
