@@ -72,9 +72,10 @@ def load(
     model = attach_head(model, head) if head else model
     if not (weights == "fp8" and is_quantized(model)):  # the checkpoint's own fp8: what it left alone stays so
         model = quantize_model(model, weights)
-    if weights == "auto" and keeps_gguf_blocks(weights, rules_for(mesh)):
+    rules = rules_for(mesh)
+    if keeps_gguf_blocks(weights, rules):
         model = head_in_trunk_blocks(model)  # a GGUF trunk's blocks: the MTP layer in Q8_0 blocks beside them
-    return with_activations(model, activations, rules_for(mesh), weights), tokenizer
+    return with_activations(model, activations, rules, weights), tokenizer
 
 
 def int8_pays(weights: str, rules: ShardingRules | None) -> bool:

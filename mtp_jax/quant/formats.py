@@ -25,6 +25,7 @@ from mtp_jax.parallel.sharding import param_axes
 from mtp_jax.quant.fp8 import FP8
 from mtp_jax.quant.int4 import INT4, quantize_int4
 from mtp_jax.quant.int8 import INT8, quantize_int8_blocks
+from mtp_jax.quant.int8_activations import in_blocks
 from mtp_jax.quant.matmul_axes import MatmulAxes, param_matmul
 from mtp_jax.quant.quantized_array import QuantizedArray, WeightFormat
 
@@ -95,7 +96,7 @@ def head_in_trunk_blocks(model):
     (`quantize_int8_blocks`: int8, a float16 scale per 32 contracting elements), in place: a draft pass then reads a
     quarter of a float32 layer's bytes, through the same kernel. Returns the model."""
     trunk_blocks = any(
-        isinstance(param.get_value(), QuantizedArray)
+        isinstance(param.get_value(), QuantizedArray) and in_blocks(param.get_value())
         for path, param in nnx.iter_graph(model)
         if isinstance(param, nnx.Param) and "mtp" not in path
     )
