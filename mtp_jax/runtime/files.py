@@ -9,12 +9,17 @@ import tempfile
 def write_atomically(path: str, text: str) -> None:
     """Write `text` (UTF-8) to `path` through a file beside it renamed into place: `path` holds its old content or
     the new, never part of either, and gets the permissions the umask gives."""
+    write_file_atomically(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def write_file_atomically(path: str, write) -> None:
+    """`write_atomically` for any content: `write(f)` fills a binary file beside `path`, then renamed into place."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".partial-", dir=folder)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual permissions

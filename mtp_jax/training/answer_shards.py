@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from mtp_jax.runtime.errors import UserError
+from mtp_jax.runtime.files import write_file_atomically
 from mtp_jax.training.prompt_builder import CATEGORIES
 
 SHARD_PROMPTS = 256  # prompts a shard, by default
@@ -71,19 +70,8 @@ def write(folder: str, run: ShardRun, start: int, end: int, records: list[dict],
         "categories": np.asarray([CATEGORIES.index(r["category"]) for r in records], np.int8),
         "meta": np.asarray(json.dumps(meta)),
     }
-    os.makedirs(folder, exist_ok=True)
     path = Path(folder) / run.name(start, end)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=".npz", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_file_atomically(str(path), lambda f: np.savez(f, **arrays))
     return path
 
 

@@ -197,6 +197,62 @@ constexpr int kStripsPerRow = kLanes == 16 ? 4 : 2;  // strips a one-row pass ke
 template <int Bits, int R>
 constexpr int kPassStrips = std::max(1, kStripsPerRow * (Bits == 4 ? 1 : 2) / R);
 
+// The three steps every pass takes for one strip, its sums and float sums given as sum(r, h) and acc(r, h) (each a
+// Ints& / Vec&; h: even and odd columns for 4-bit values, the columns for 8-bit ones).
+// Weight rows k .. k + 3 of the strip at p (xq: each row's q of those four rows) added into its integer sums.
+template <int Bits, int R, typename Sum>
+inline void add_strip_quad(const uint8_t* p, int64_t row_bytes, const Quad* xq, Sum sum) {
+  if constexpr (Bits == 4) {
+    Quad even, odd;
+    quad4(p, row_bytes, even, odd);
+    for (int r = 0; r < R; ++r) {
+      sum(r, 0) = dot_small(sum(r, 0), even, xq[r]);
+      sum(r, 1) = dot_small(sum(r, 1), odd, xq[r]);
+    }
+  } else {
+    const Quad v = quad8(p, row_bytes);
+    for (int r = 0; r < R; ++r) sum(r, 0) = dot_signed(sum(r, 0), v, xq[r]);
+  }
+}
+
+// Block b's integer sums of the strip starting at output column `column`, times the block's scales and d, plus its
+// mins times s, added to the float sums (one fused multiply-add chain per column, blocks in order).
+template <int Bits, int R, typename Sum, typename Acc>
+inline void fold_strip_block(const RoundedRows& x, int64_t m0, const Blocks& q, int64_t N, int64_t b, int64_t column,
+                             Sum sum, Acc acc) {
+  constexpr int H = Bits == 4 ? 2 : 1;
+  Vec scale[H], min[H] = {};
+  if constexpr (Bits == 4) {
+    block_pairs(q, q.scales, b * N + column, 2 * kLanes, scale[0], scale[1]);
+    if (q.mins) block_pairs(q, q.mins, b * N + column, 2 * kLanes, min[0], min[1]);
+  } else {
+    scale[0] = q.vector(q.scales, b * N + column, kLanes);
+    if (q.mins) min[0] = q.vector(q.mins, b * N + column, kLanes);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t rb = (m0 + r) * q.KB + b;
+    const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
+    for (int h = 0; h < H; ++h) {
+      Ints total = sum(r, h);
+      if constexpr (Bits == 8) total -= kOffset * x.qsum[rb];  // 8-bit weights offset by 128 added 128 sum(q)
+      Vec& a = acc(r, h);
+      a = fma(__builtin_convertvector(total, Vec), scale[h] * d, q.mins ? fma(min[h], shift, a) : a);
+    }
+  }
+}
+
+// The strip's float sums written to its output columns (4-bit: even and odd columns interleaved back).
+template <int Bits, int R, typename Acc>
+inline void store_strip(float* out, int64_t m0, int64_t N, int64_t column, Acc acc) {
+  for (int r = 0; r < R; ++r) {
+    float* row = out + (m0 + r) * N + column;
+    if constexpr (Bits == 4)
+      for (int i = 0; i < kLanes; ++i) row[2 * i] = acc(r, 0)[i], row[2 * i + 1] = acc(r, 1)[i];
+    else
+      std::memcpy(row, &acc(r, 0), sizeof(Vec));
+  }
+}
+
 // Columns of kGroupStrips strips at a time: a block's rows of them are 2 cache lines each for 4-bit values (one
 // line pair, which the hardware fetches together), 4 for 8-bit ones.
 constexpr int kGroupStrips = kLanes == 16 ? 8 : 16;
@@ -221,56 +277,23 @@ void int8_group(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, i
         for (int j = 0; j < 4; ++j) __builtin_prefetch(first + (Kb + i + j) * row_bytes);
       Quad xq[R];
       for (int r = 0; r < R; ++r) xq[r] = broadcast_q(x.q.data() + (m0 + r) * K + b * Kb + i);
-      for (int c = 0; c < P; ++c) {
-        const uint8_t* p = first + i * row_bytes + c * kLanes;  // strip c0 + c's bytes of weight row b Kb + i
-        if constexpr (Bits == 4) {
-          Quad even, odd;
-          quad4(p, row_bytes, even, odd);
-          for (int r = 0; r < R; ++r) {
-            sums[r][c][0] = dot_small(sums[r][c][0], even, xq[r]);
-            sums[r][c][1] = dot_small(sums[r][c][1], odd, xq[r]);
-          }
-        } else {
-          const Quad v = quad8(p, row_bytes);
-          for (int r = 0; r < R; ++r) sums[r][c][0] = dot_signed(sums[r][c][0], v, xq[r]);
-        }
-      }
+      for (int c = 0; c < P; ++c)  // strip c0 + c's bytes of weight row b Kb + i
+        add_strip_quad<Bits, R>(first + i * row_bytes + c * kLanes, row_bytes, xq,
+                                [&](int r, int h) -> Ints& { return sums[r][c][h]; });
     }
-    for (int c = 0; c < P; ++c) {
-      const int64_t column = (s0 + c0 + c) * kStripColumns<Bits>;
-      Vec scale[H], min[H] = {};
-      if constexpr (Bits == 4) {
-        block_pairs(q, q.scales, b * N + column, 2 * kLanes, scale[0], scale[1]);
-        if (q.mins) block_pairs(q, q.mins, b * N + column, 2 * kLanes, min[0], min[1]);
-      } else {
-        scale[0] = q.vector(q.scales, b * N + column, kLanes);
-        if (q.mins) min[0] = q.vector(q.mins, b * N + column, kLanes);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t rb = (m0 + r) * q.KB + b;
-        const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
-        for (int h = 0; h < H; ++h) {
-          Ints sum = sums[r][c][h];
-          if constexpr (Bits == 8) sum -= kOffset * x.qsum[rb];  // 8-bit weights offset by 128 added 128 sum(q)
-          Vec& a = acc[r][c0 + c][h];
-          a = fma(__builtin_convertvector(sum, Vec), scale[h] * d, q.mins ? fma(min[h], shift, a) : a);
-        }
-      }
-    }
+    for (int c = 0; c < P; ++c)
+      fold_strip_block<Bits, R>(x, m0, q, N, b, (s0 + c0 + c) * kStripColumns<Bits>,
+                                [&](int r, int h) -> Ints& { return sums[r][c][h]; },
+                                [&](int r, int h) -> Vec& { return acc[r][c0 + c][h]; });
   };
   for (int64_t b = 0; b < q.KB; ++b) {
     int c = 0;
     for (; c + C <= G; c += C) pass(b, c, std::integral_constant<int, C>{});
     for (; c < G; ++c) pass(b, c, std::integral_constant<int, 1>{});
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < G; ++c) {
-      float* row = out + (m0 + r) * N + (s0 + c) * kStripColumns<Bits>;
-      if constexpr (Bits == 4)
-        for (int i = 0; i < kLanes; ++i) row[2 * i] = acc[r][c][0][i], row[2 * i + 1] = acc[r][c][1][i];
-      else
-        std::memcpy(row, &acc[r][c][0], sizeof(Vec));
-    }
+  for (int c = 0; c < G; ++c)
+    store_strip<Bits, R>(out, m0, N, (s0 + c) * kStripColumns<Bits>,
+                         [&](int r, int h) -> Vec& { return acc[r][c][h]; });
 }
 
 // int8_group for one or two rows, where the weight's read sets the pace rather than the sums: kStreamStrips strips
@@ -297,49 +320,17 @@ void int8_stream(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, 
         const uint8_t* p = first + k * row_bytes + c * kLanes;
         if (c % (64 / kLanes) == 0 && k + 12 <= K)  // a cache line's strips: its rows eight ahead
           for (int j = 0; j < 4; ++j) __builtin_prefetch(p + (8 + j) * row_bytes);
-        if constexpr (Bits == 4) {
-          Quad even, odd;
-          quad4(p, row_bytes, even, odd);
-          for (int r = 0; r < R; ++r) {
-            sums[r][c][0] = dot_small(sums[r][c][0], even, xq[r]);
-            sums[r][c][1] = dot_small(sums[r][c][1], odd, xq[r]);
-          }
-        } else {
-          const Quad v = quad8(p, row_bytes);
-          for (int r = 0; r < R; ++r) sums[r][c][0] = dot_signed(sums[r][c][0], v, xq[r]);
-        }
+        add_strip_quad<Bits, R>(p, row_bytes, xq, [&](int r, int h) -> Ints& { return sums[r][c][h]; });
       }
     }
-    for (int c = 0; c < G; ++c) {
-      const int64_t column = (s0 + c) * kStripColumns<Bits>;
-      Vec scale[H], min[H] = {};
-      if constexpr (Bits == 4) {
-        block_pairs(q, q.scales, b * N + column, 2 * kLanes, scale[0], scale[1]);
-        if (q.mins) block_pairs(q, q.mins, b * N + column, 2 * kLanes, min[0], min[1]);
-      } else {
-        scale[0] = q.vector(q.scales, b * N + column, kLanes);
-        if (q.mins) min[0] = q.vector(q.mins, b * N + column, kLanes);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t rb = (m0 + r) * q.KB + b;
-        const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
-        for (int h = 0; h < H; ++h) {
-          Ints sum = sums[r][c][h];
-          if constexpr (Bits == 8) sum -= kOffset * x.qsum[rb];
-          Vec& a = acc[r][c][h];
-          a = fma(__builtin_convertvector(sum, Vec), scale[h] * d, q.mins ? fma(min[h], shift, a) : a);
-        }
-      }
-    }
+    for (int c = 0; c < G; ++c)
+      fold_strip_block<Bits, R>(x, m0, q, N, b, (s0 + c) * kStripColumns<Bits>,
+                                [&](int r, int h) -> Ints& { return sums[r][c][h]; },
+                                [&](int r, int h) -> Vec& { return acc[r][c][h]; });
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < G; ++c) {
-      float* row = out + (m0 + r) * N + (s0 + c) * kStripColumns<Bits>;
-      if constexpr (Bits == 4)
-        for (int i = 0; i < kLanes; ++i) row[2 * i] = acc[r][c][0][i], row[2 * i + 1] = acc[r][c][1][i];
-      else
-        std::memcpy(row, &acc[r][c][0], sizeof(Vec));
-    }
+  for (int c = 0; c < G; ++c)
+    store_strip<Bits, R>(out, m0, N, (s0 + c) * kStripColumns<Bits>,
+                         [&](int r, int h) -> Vec& { return acc[r][c][h]; });
 }
 
 // Every row of one matrix (x [M, K]) by a [K, N] weight (4-bit packed or 8-bit), output columns [n0, n1)
