@@ -29,8 +29,9 @@ namespace rows {
 
 typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-// x's rows rounded per block: q [M, K]; d, s, and qsum (the integer sum of q) [M, KB]; quads [M, K / 4], each four
-// consecutive q summed. (128 times a sum of q is what 8-bit weights offset by 128 add to a sum of products.)
+// x's rows rounded per block: q [M, K]; d, s, and qsum (the integer sum of q) [M, KB]; with `quads`, [M, K / 4] each
+// four consecutive q summed (the [N, K] form's lanes), else empty. (128 times a sum of q is what 8-bit weights offset
+// by 128 add to a sum of products.)
 struct RoundedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
@@ -38,10 +39,10 @@ struct RoundedRows {
 };
 
 template <typename X>
-RoundedRows round_rows(const X* x, int64_t M, int64_t K, int64_t KB) {
+RoundedRows round_rows(const X* x, int64_t M, int64_t K, int64_t KB, bool quads = false) {
   const int64_t Kb = K / KB;
   RoundedRows rounded{std::vector<int8_t>(M * K), std::vector<float>(M * KB), std::vector<float>(M * KB),
-                      std::vector<int32_t>(M * KB), std::vector<int32_t>(M * K / 4)};
+                      std::vector<int32_t>(M * KB), std::vector<int32_t>(quads ? M * K / 4 : 0)};
   for (int64_t i = 0; i < M * KB; ++i) {
     const int64_t m = i / KB, k0 = (i % KB) * Kb;
     float largest = 0.0f;
@@ -51,7 +52,7 @@ RoundedRows round_rows(const X* x, int64_t M, int64_t K, int64_t KB) {
     for (int64_t k = k0; k < k0 + Kb; ++k) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(to_float(x[m * K + k]) * inverse));
       rounded.q[m * K + k] = static_cast<int8_t>(v);
-      rounded.quads[(m * K + k) / 4] += v;
+      if (quads) rounded.quads[(m * K + k) / 4] += v;
       sum += v;
     }
     rounded.d[i] = d;
@@ -402,7 +403,7 @@ void int8_transposed_rows(const RoundedRows& x, int64_t m0, int64_t K, const int
 template <typename X>
 void int8_rows_transposed(const X* x, int64_t M, int64_t K, const int8_t* w, int64_t N, int64_t n0, int64_t n1,
                           const Blocks& q, float* out) {
-  const RoundedRows rounded = round_rows(x, M, K, q.KB);
+  const RoundedRows rounded = round_rows(x, M, K, q.KB, /*quads=*/true);
   constexpr int64_t kRowsAtOnce = 64;  // weight rows every row group takes in turn
   for (int64_t n = n0; n < n1; n += kRowsAtOnce) {
     const int64_t e = std::min(n1, n + kRowsAtOnce);
