@@ -63,6 +63,8 @@ struct Case {
   std::string name;
   int64_t K, N, KB;
   bool transposed, half, mins, int8_rows;
+  bool extreme = false;  // every 4-bit value 15 and every x of a block's largest magnitude, one sign a row: the
+  // largest integer sums a block can make (16-bit pair sums near their limit)
 };
 
 // A weight of form W, its scales and mins as the kernel reads them, and its values as doubles [K][N].
@@ -105,7 +107,7 @@ Weight<W> make_weight(const Case& c, std::mt19937& rng) {
     w.bytes.assign(K * N / 2, 0);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t n = 0; n < N; ++n) {
-        const int v = level(rng);
+        const int v = c.extreme ? 15 : level(rng);
         const int64_t i = at(k, n);
         w.bytes[i / 2] |= static_cast<uint8_t>(v << (4 * (i % 2)));
         w.dense[k * N + n] = v * scale[block_at(k / Kb, n)] + min[block_at(k / Kb, n)];
@@ -134,8 +136,9 @@ void check_product(const Case& c, uint32_t seed) {
   std::vector<X> x(M * K);
   std::vector<double> xd(M * K);
   for (int64_t i = 0; i < M * K; ++i) {
-    if constexpr (std::is_same_v<X, float>) xd[i] = x[i] = normal(rng);
-    else xd[i] = to_float(x[i] = to_bf16(normal(rng)));
+    const float value = c.extreme ? ((i / K) % 2 ? -1.5f : 1.5f) : normal(rng);
+    if constexpr (std::is_same_v<X, float>) xd[i] = x[i] = value;
+    else xd[i] = to_float(x[i] = to_bf16(value));
   }
   const Blocks q{c.half ? static_cast<const void*>(w.scales16.data()) : w.scales32.data(),
                  c.mins ? static_cast<const void*>(w.mins16.data()) : nullptr, c.half, KB, c.int8_rows};
@@ -330,6 +333,9 @@ int main() {
   c = {"4-bit by int8 rows", 192, 320, 6, false, true, true, true};
   check_product<float, U4>(c, seed++);
   check_product<uint16_t, U4>(c, seed++);
+  c.name = "4-bit by int8 rows, the largest sums";
+  c.extreme = true;
+  check_product<float, U4>(c, seed++);
   c = {"int8 blocks of 32 (Q8_0) by int8 rows", 192, 320, 6, false, true, false, true};
   check_product<float, int8_t>(c, seed++);
   check_product<uint16_t, int8_t>(c, seed++);

@@ -14,7 +14,8 @@
 //
 // Instructions: with AVX512-VNNI a lane's four products are one vpdpbusd (64 products an instruction; an 8-bit
 // weight is offset by 128 to make it unsigned, and 128 * the lane's sum of q taken off after); with AVX2 vpmaddubsw
-// then vpmaddwd (as llama.cpp's kernels do; 8-bit weights as |w| times q with w's sign); with NEON's dotprod sdot;
+// then vpmaddwd (as llama.cpp's kernels do; 8-bit weights as |w| times q with w's sign; 4-bit ones' 16-bit pairs
+// summed down a block first, and four strips' bytes gathered by one set of loads); with NEON's dotprod sdot;
 // any other CPU sums them one by one. A pass keeps the sums of up to eight rows and a few column strips in
 // registers down a block's rows, so each weight byte is read and unpacked once for eight rows.
 
@@ -64,11 +65,13 @@ RoundedRows round_rows(const X* x, int64_t M, int64_t K, int64_t KB, bool quads 
 
 // The ISA's pieces. A "quad" is, per lane, four bytes: weight rows k .. k + 3 of one column (the lane's), or four
 // consecutive q of a row (the same four in every lane: `broadcast_q`).
-//   quad4(p, row_bytes, even, odd): 4-bit values of 2 kLanes columns (kLanes bytes from each of four weight rows at
-//     p, row_bytes apart): lane i holds column 2 i in `even`, 2 i + 1 in `odd`
-//   quad8(p, row_bytes): 8-bit values of kLanes columns
-//   dot_small(sum, w, x): sum + each lane's four products, w's bytes 0..15
-//   dot_signed(sum, w, x): the same for signed bytes; with kOffset, w's bytes were offset by 128 (quad8 does it)
+//   gather_rows(p, row_bytes): kLanes bytes from each of four weight rows at p, row_bytes apart: lane i the four
+//     rows' byte i (split_nibbles: its 4-bit values, the low in `even`, the high in `odd`; offset_q: its 8-bit
+//     ones offset by kOffset)
+//   wide_quads(p, row_bytes, quads): kWideStrips strips' quads from one gather, lane i of quads[j] the rows' byte
+//     wide_byte(j, i); wide_pairs / wide_values: a block's scales for those lanes' columns
+//   dot_small(sum, w, x): sum + each lane's four products, w's bytes 0..15 (widen_small: such sums as 32-bit lanes)
+//   dot_signed(sum, w, x): the same for signed bytes; with kOffset, w's bytes were offset by 128 (offset_q does it)
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 constexpr const char* kIntegerDot = "vpdpbusd";  // how a lane's four products are summed
 typedef __m512i Quad;
@@ -89,18 +92,16 @@ inline __m512i gather_rows(const uint8_t* p, int64_t row_bytes) {  // 16 bytes o
   bytes = _mm512_inserti32x4(bytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * row_bytes)), 3);
   return _mm512_permutexvar_epi8(_mm512_load_si512(kOrder), bytes);
 }
-inline void quad4(const uint8_t* p, int64_t row_bytes, Quad& even, Quad& odd) {
-  const __m512i quads = gather_rows(p, row_bytes), nibble = _mm512_set1_epi8(0x0F);
-  even = _mm512_and_si512(quads, nibble);
-  odd = _mm512_and_si512(_mm512_srli_epi16(quads, 4), nibble);
-}
-inline Quad quad8(const uint8_t* p, int64_t row_bytes) {
-  return _mm512_xor_si512(gather_rows(p, row_bytes), _mm512_set1_epi8(static_cast<char>(0x80)));
+inline void split_nibbles(Quad bytes, Quad& even, Quad& odd) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  even = _mm512_and_si512(bytes, nibble);
+  odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
 }
 inline Quad load_q(const uint8_t* p) { return _mm512_loadu_si512(p); }  // kLanes quads of one weight row ([N, K])
 inline Quad offset_q(Quad w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline Ints dot_small(Ints sum, Quad w, Quad x) { return (Ints)_mm512_dpbusd_epi32((__m512i)sum, w, x); }
 inline Ints dot_signed(Ints sum, Quad w, Quad x) { return (Ints)_mm512_dpbusd_epi32((__m512i)sum, w, x); }
+inline Ints widen_small(Ints sums) { return sums; }
 #elif defined(ROWS_AVX2)
 constexpr const char* kIntegerDot = "vpmaddubsw";
 typedef __m256i Quad;
@@ -115,17 +116,51 @@ inline __m256i gather_rows(const uint8_t* p, int64_t row_bytes) {  // 8 bytes of
   const __m128i rows01 = _mm_unpacklo_epi8(row(0), row(1)), rows23 = _mm_unpacklo_epi8(row(2), row(3));
   return _mm256_set_m128i(_mm_unpackhi_epi16(rows01, rows23), _mm_unpacklo_epi16(rows01, rows23));
 }
-inline void quad4(const uint8_t* p, int64_t row_bytes, Quad& even, Quad& odd) {
-  const __m256i quads = gather_rows(p, row_bytes), nibble = _mm256_set1_epi8(0x0F);
-  even = _mm256_and_si256(quads, nibble);
-  odd = _mm256_and_si256(_mm256_srli_epi16(quads, 4), nibble);
+inline void split_nibbles(Quad bytes, Quad& even, Quad& odd) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  even = _mm256_and_si256(bytes, nibble);
+  odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
 }
-inline Quad quad8(const uint8_t* p, int64_t row_bytes) { return gather_rows(p, row_bytes); }
 inline Quad load_q(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Quad offset_q(Quad w) { return w; }
-// vpmaddubsw's pairs of products stay inside 16 bits: at most 2 x 15 x 127, and 2 x 128 x 127 for |w| below
-inline Ints dot_small(Ints sum, Quad w, Quad x) {
-  return (Ints)_mm256_add_epi32((__m256i)sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+// vpmaddubsw's pairs of products stay inside 16 bits: at most 2 x 15 x 127, and 2 x 128 x 127 for |w| below.
+// 4-bit weights' pairs are summed in 16 bits down a block (8 quads of at most 32 rows: below 8 x 3,810 = 30,480,
+// `int8_rows_reads`) and widened to 32 once, at the block's fold (widen_small).
+inline Ints dot_small(Ints pairs, Quad w, Quad x) {
+  return (Ints)_mm256_add_epi16((__m256i)pairs, _mm256_maddubs_epi16(w, x));
+}
+inline Ints widen_small(Ints pairs) { return (Ints)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1)); }
+// Four strips' quads from one gather (32 bytes of each of four weight rows, unpacked within 128-bit halves): lane i
+// of wide quad j holds byte wide_byte(j, i) of the 32, so each quad's columns are two runs of consecutive ones.
+constexpr int kWideStrips = 4;
+constexpr int wide_byte(int j, int i) { return 16 * (i / 4) + 4 * j + i % 4; }
+inline void wide_quads(const uint8_t* p, int64_t row_bytes, Quad quads[kWideStrips]) {
+  auto row = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * row_bytes)); };
+  const __m256i r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
+  const __m256i low01 = _mm256_unpacklo_epi8(r0, r1), high01 = _mm256_unpackhi_epi8(r0, r1);
+  const __m256i low23 = _mm256_unpacklo_epi8(r2, r3), high23 = _mm256_unpackhi_epi8(r2, r3);
+  quads[0] = _mm256_unpacklo_epi16(low01, low23);
+  quads[1] = _mm256_unpackhi_epi16(low01, low23);
+  quads[2] = _mm256_unpacklo_epi16(high01, high23);
+  quads[3] = _mm256_unpackhi_epi16(high01, high23);
+}
+// A block's scales (or mins) of wide quad j's columns, from p's values at i + its columns (i: the first column of
+// the four strips). 4-bit: columns 2 wide_byte(j, i) (even) and + 1 (odd): runs [8 j, 8 j + 8) and 32 on.
+inline void wide_pairs(const Blocks& q, const void* p, int64_t i, int j, Vec& even, Vec& odd) {
+  const __m256 first = (__m256)q.vector(p, i + 8 * j, kLanes), second = (__m256)q.vector(p, i + 32 + 8 * j, kLanes);
+  const __m256 low = _mm256_permute2f128_ps(first, second, 0x20), high = _mm256_permute2f128_ps(first, second, 0x31);
+  even = (Vec)_mm256_shuffle_ps(low, high, 0x88);
+  odd = (Vec)_mm256_shuffle_ps(low, high, 0xDD);
+}
+// 8-bit: columns wide_byte(j, i): runs [4 j, 4 j + 4) and 16 on.
+inline Vec wide_values(const Blocks& q, const void* p, int64_t i, int j) {
+  if (!q.half) {
+    const float* f = static_cast<const float*>(p) + i + 4 * j;
+    return (Vec)_mm256_set_m128(_mm_loadu_ps(f + 16), _mm_loadu_ps(f));
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(p) + i + 4 * j;
+  return (Vec)_mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)),
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 16))));
 }
 inline Ints dot_signed(Ints sum, Quad w, Quad x) {
   const __m256i product = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
@@ -146,20 +181,18 @@ inline Quad broadcast_q(const int8_t* q) {
   for (int i = 0; i < kLanes; ++i) std::memcpy(v.b + 4 * i, q, 4);
   return v;
 }
-inline Quad gather_rows(const uint8_t* p, int64_t row_bytes, int per_row) {  // per_row bytes of rows 0..3
+inline Quad gather_rows(const uint8_t* p, int64_t row_bytes) {  // kLanes bytes of rows 0..3
   Quad v;
-  for (int i = 0; i < per_row; ++i)
+  for (int i = 0; i < kLanes; ++i)
     for (int j = 0; j < 4; ++j) v.b[4 * i + j] = static_cast<int8_t>(p[j * row_bytes + i]);
   return v;
 }
-inline void quad4(const uint8_t* p, int64_t row_bytes, Quad& even, Quad& odd) {
-  const Quad bytes = gather_rows(p, row_bytes, kLanes);
+inline void split_nibbles(const Quad& bytes, Quad& even, Quad& odd) {
   for (int i = 0; i < 4 * kLanes; ++i) {
     even.b[i] = static_cast<int8_t>(static_cast<uint8_t>(bytes.b[i]) & 15);
     odd.b[i] = static_cast<int8_t>(static_cast<uint8_t>(bytes.b[i]) >> 4);
   }
 }
-inline Quad quad8(const uint8_t* p, int64_t row_bytes) { return gather_rows(p, row_bytes, kLanes); }
 inline Quad load_q(const uint8_t* p) {
   Quad v;
   std::memcpy(v.b, p, sizeof v.b);
@@ -176,6 +209,17 @@ inline Ints dot_signed(Ints sum, const Quad& w, const Quad& x) {
 #endif
 }
 inline Ints dot_small(Ints sum, const Quad& w, const Quad& x) { return dot_signed(sum, w, x); }
+inline Ints widen_small(Ints sums) { return sums; }
+#endif
+
+#if !defined(ROWS_AVX2)  // a unit of strips is one strip, its lanes in column order
+constexpr int kWideStrips = 1;
+constexpr int wide_byte(int, int i) { return i; }
+inline void wide_quads(const uint8_t* p, int64_t row_bytes, Quad quads[1]) { quads[0] = gather_rows(p, row_bytes); }
+inline void wide_pairs(const Blocks& q, const void* p, int64_t i, int, Vec& even, Vec& odd) {
+  block_pairs(q, p, i, 2 * kLanes, even, odd);
+}
+inline Vec wide_values(const Blocks& q, const void* p, int64_t i, int) { return q.vector(p, i, kLanes); }
 #endif
 
 template <int Bits>
@@ -187,7 +231,7 @@ constexpr int kStripColumns = Bits == 4 ? 2 * kLanes : kLanes;  // columns a str
 // or half of it.
 inline bool int8_rows_reads(bool packed, bool int8, bool transposed, int64_t K, int64_t N, int64_t KB) {
   if (KB < 1 || K % KB != 0 || (K / KB) % 4 != 0) return false;
-  if (packed) return !transposed && N % (2 * kLanes) == 0;
+  if (packed) return !transposed && N % (2 * kLanes) == 0 && K / KB <= 32;  // (16-bit pair sums: dot_small)
   if (!int8) return false;
   if (!transposed) return N % kLanes == 0;
   const int64_t lanes = K / KB / 4;
@@ -202,39 +246,58 @@ constexpr int kPassStrips = std::max(1, kStripsPerRow * (Bits == 4 ? 1 : 2) / R)
 // Ints& / Vec&; h: even and odd columns for 4-bit values, the columns for 8-bit ones).
 // Weight rows k .. k + 3 of the strip at p (xq: each row's q of those four rows) added into its integer sums.
 template <int Bits, int R, typename Sum>
-inline void add_strip_quad(const uint8_t* p, int64_t row_bytes, const Quad* xq, Sum sum) {
+inline void add_quad(const Quad& bytes, const Quad* xq, Sum sum) {
   if constexpr (Bits == 4) {
     Quad even, odd;
-    quad4(p, row_bytes, even, odd);
+    split_nibbles(bytes, even, odd);
     for (int r = 0; r < R; ++r) {
       sum(r, 0) = dot_small(sum(r, 0), even, xq[r]);
       sum(r, 1) = dot_small(sum(r, 1), odd, xq[r]);
     }
   } else {
-    const Quad v = quad8(p, row_bytes);
+    const Quad v = offset_q(bytes);
     for (int r = 0; r < R; ++r) sum(r, 0) = dot_signed(sum(r, 0), v, xq[r]);
   }
 }
+template <int Bits, int R, typename Sum>
+inline void add_strip_quad(const uint8_t* p, int64_t row_bytes, const Quad* xq, Sum sum) {
+  add_quad<Bits, R>(gather_rows(p, row_bytes), xq, sum);
+}
+// kWideStrips strips' quads (sum(r, j, h): strip j of the unit, its lanes in wide_byte order).
+template <int Bits, int R, typename Sum>
+inline void add_wide_quad(const uint8_t* p, int64_t row_bytes, const Quad* xq, Sum sum) {
+  Quad quads[kWideStrips];
+  wide_quads(p, row_bytes, quads);
+  for (int j = 0; j < kWideStrips; ++j)
+    add_quad<Bits, R>(quads[j], xq, [&](int r, int h) -> Ints& { return sum(r, j, h); });
+}
 
-// Block b's integer sums of the strip starting at output column `column`, times the block's scales and d, plus its
-// mins times s, added to the float sums (one fused multiply-add chain per column, blocks in order).
+// Block b's integer sums of a strip, times the block's scales and d, plus its mins times s, added to the float sums
+// (one fused multiply-add chain per column, blocks in order). The strip: the one starting at output column `column`
+// (wide < 0), or strip `wide` of the unit of kWideStrips starting there (its lanes in wide_byte order).
 template <int Bits, int R, typename Sum, typename Acc>
 inline void fold_strip_block(const RoundedRows& x, int64_t m0, const Blocks& q, int64_t N, int64_t b, int64_t column,
-                             Sum sum, Acc acc) {
+                             int wide, Sum sum, Acc acc) {
   constexpr int H = Bits == 4 ? 2 : 1;
   Vec scale[H], min[H] = {};
+  const int64_t i = b * N + column;
   if constexpr (Bits == 4) {
-    block_pairs(q, q.scales, b * N + column, 2 * kLanes, scale[0], scale[1]);
-    if (q.mins) block_pairs(q, q.mins, b * N + column, 2 * kLanes, min[0], min[1]);
+    if (wide < 0) {
+      block_pairs(q, q.scales, i, 2 * kLanes, scale[0], scale[1]);
+      if (q.mins) block_pairs(q, q.mins, i, 2 * kLanes, min[0], min[1]);
+    } else {
+      wide_pairs(q, q.scales, i, wide, scale[0], scale[1]);
+      if (q.mins) wide_pairs(q, q.mins, i, wide, min[0], min[1]);
+    }
   } else {
-    scale[0] = q.vector(q.scales, b * N + column, kLanes);
-    if (q.mins) min[0] = q.vector(q.mins, b * N + column, kLanes);
+    scale[0] = wide < 0 ? q.vector(q.scales, i, kLanes) : wide_values(q, q.scales, i, wide);
+    if (q.mins) min[0] = wide < 0 ? q.vector(q.mins, i, kLanes) : wide_values(q, q.mins, i, wide);
   }
   for (int r = 0; r < R; ++r) {
     const int64_t rb = (m0 + r) * q.KB + b;
     const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
     for (int h = 0; h < H; ++h) {
-      Ints total = sum(r, h);
+      Ints total = Bits == 4 ? widen_small(sum(r, h)) : sum(r, h);
       if constexpr (Bits == 8) total -= kOffset * x.qsum[rb];  // 8-bit weights offset by 128 added 128 sum(q)
       Vec& a = acc(r, h);
       a = fma(__builtin_convertvector(total, Vec), scale[h] * d, q.mins ? fma(min[h], shift, a) : a);
@@ -242,15 +305,17 @@ inline void fold_strip_block(const RoundedRows& x, int64_t m0, const Blocks& q, 
   }
 }
 
-// The strip's float sums written to its output columns (4-bit: even and odd columns interleaved back).
+// The strip's float sums written to its output columns (4-bit: even and odd columns interleaved back); `column` and
+// `wide` as for fold_strip_block.
 template <int Bits, int R, typename Acc>
-inline void store_strip(float* out, int64_t m0, int64_t N, int64_t column, Acc acc) {
+inline void store_strip(float* out, int64_t m0, int64_t N, int64_t column, int wide, Acc acc) {
   for (int r = 0; r < R; ++r) {
     float* row = out + (m0 + r) * N + column;
-    if constexpr (Bits == 4)
-      for (int i = 0; i < kLanes; ++i) row[2 * i] = acc(r, 0)[i], row[2 * i + 1] = acc(r, 1)[i];
-    else
-      std::memcpy(row, &acc(r, 0), sizeof(Vec));
+    for (int i = 0; i < kLanes; ++i) {
+      const int byte = wide < 0 ? i : wide_byte(wide, i);
+      if constexpr (Bits == 4) row[2 * byte] = acc(r, 0)[i], row[2 * byte + 1] = acc(r, 1)[i];
+      else row[byte] = acc(r, 0)[i];
+    }
   }
 }
 
@@ -283,7 +348,7 @@ void int8_group(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, i
                                 [&](int r, int h) -> Ints& { return sums[r][c][h]; });
     }
     for (int c = 0; c < P; ++c)
-      fold_strip_block<Bits, R>(x, m0, q, N, b, (s0 + c0 + c) * kStripColumns<Bits>,
+      fold_strip_block<Bits, R>(x, m0, q, N, b, (s0 + c0 + c) * kStripColumns<Bits>, -1,
                                 [&](int r, int h) -> Ints& { return sums[r][c][h]; },
                                 [&](int r, int h) -> Vec& { return acc[r][c0 + c][h]; });
   };
@@ -293,7 +358,7 @@ void int8_group(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, i
     for (; c < G; ++c) pass(b, c, std::integral_constant<int, 1>{});
   }
   for (int c = 0; c < G; ++c)
-    store_strip<Bits, R>(out, m0, N, (s0 + c) * kStripColumns<Bits>,
+    store_strip<Bits, R>(out, m0, N, (s0 + c) * kStripColumns<Bits>, -1,
                          [&](int r, int h) -> Vec& { return acc[r][c][h]; });
 }
 
@@ -310,6 +375,9 @@ void int8_stream(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, 
   alignas(64) Vec acc[R][kStreamStrips][H] = {};
   alignas(64) Ints sums[R][kStreamStrips][H];
   const uint8_t* first = w + s0 * kLanes;
+  const int wide_end = G / kWideStrips * kWideStrips;  // strips [0, wide_end) gathered kWideStrips at a time
+  auto wide = [&](int c) { return c < wide_end ? c % kWideStrips : -1; };
+  auto unit_column = [&](int c) { return (s0 + (c < wide_end ? c - c % kWideStrips : c)) * kStripColumns<Bits>; };
   for (int64_t b = 0; b < q.KB; ++b) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < G; ++c)
@@ -317,21 +385,26 @@ void int8_stream(const RoundedRows& x, int64_t m0, int64_t K, const uint8_t* w, 
     for (int64_t k = b * Kb; k < (b + 1) * Kb; k += 4) {
       Quad xq[R];
       for (int r = 0; r < R; ++r) xq[r] = broadcast_q(x.q.data() + (m0 + r) * K + k);
-      for (int c = 0; c < G; ++c) {
+      for (int c = 0; c < G;) {
         const uint8_t* p = first + k * row_bytes + c * kLanes;
         if (c % (64 / kLanes) == 0 && k + 12 <= K)  // a cache line's strips: its rows eight ahead
           for (int j = 0; j < 4; ++j) __builtin_prefetch(p + (8 + j) * row_bytes);
-        add_strip_quad<Bits, R>(p, row_bytes, xq, [&](int r, int h) -> Ints& { return sums[r][c][h]; });
+        if (c < wide_end) {
+          add_wide_quad<Bits, R>(p, row_bytes, xq, [&](int r, int j, int h) -> Ints& { return sums[r][c + j][h]; });
+          c += kWideStrips;
+        } else {
+          add_strip_quad<Bits, R>(p, row_bytes, xq, [&](int r, int h) -> Ints& { return sums[r][c][h]; });
+          ++c;
+        }
       }
     }
     for (int c = 0; c < G; ++c)
-      fold_strip_block<Bits, R>(x, m0, q, N, b, (s0 + c) * kStripColumns<Bits>,
+      fold_strip_block<Bits, R>(x, m0, q, N, b, unit_column(c), wide(c),
                                 [&](int r, int h) -> Ints& { return sums[r][c][h]; },
                                 [&](int r, int h) -> Vec& { return acc[r][c][h]; });
   }
   for (int c = 0; c < G; ++c)
-    store_strip<Bits, R>(out, m0, N, (s0 + c) * kStripColumns<Bits>,
-                         [&](int r, int h) -> Vec& { return acc[r][c][h]; });
+    store_strip<Bits, R>(out, m0, N, unit_column(c), wide(c), [&](int r, int h) -> Vec& { return acc[r][c][h]; });
 }
 
 // Every row of one matrix (x [M, K]) by a [K, N] weight (4-bit packed or 8-bit), output columns [n0, n1)
