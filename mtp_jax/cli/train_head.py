@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--block-layers", type=int, help="decoder layers in the MTP block (default: the finetuned "
                         "head's, else 1); with --init existing, layers beyond the head's are added as identities "
                         "(the trunk's last layers with their residual outputs at zero)")  # fmt: skip
+    parser.add_argument("--fused-layers", type=layer_list, help="trunk layers (0-based, comma-separated) whose "
+                        "outputs join the final hidden in what the head reads (EAGLE-3's fused features, e.g. 2,14); "
+                        "--init existing adds them to a head without any, starting as it drafts")  # fmt: skip
     parser.add_argument("--num-mtp-steps", type=int, default=3, help="K recursive steps in the objective")
     parser.add_argument(
         "--objective", choices=("ce", "kl", "tv"), default="ce",
@@ -84,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected layer numbers like 2,14") from None
+
+
 def training_model(trunk, args, records):
     """The model to train: the trunk plus a head (the existing one, or new with a DeepSeek-style layout)."""
 
@@ -101,15 +111,23 @@ def training_model(trunk, args, records):
     if block_layers > available:
         raise UserError(f"--block-layers {block_layers}: the trunk's last run of layers of the MTP layer's kind has "
                         f"{available}")  # fmt: skip
+    fused = base.fused_layers if args.fused_layers is None else args.fused_layers
+    if args.init == "existing" and base.fused_layers and fused != base.fused_layers:
+        raise UserError(f"--fused-layers {','.join(map(str, fused))}: the head to finetune fuses layers "
+                        f"{','.join(map(str, base.fused_layers))}; fused layers can be added, not changed")  # fmt: skip
     vocab = trunk.config.vocab_size
     draft_size = min(args.draft_vocab, vocab) if args.draft_vocab else 0
-    cfg = trunk.config.replace(mtp=MtpConfig(layout=base.layout, recurse_normed=base.recurse_normed,
-                                             draft_vocab_size=draft_size, block_layers=block_layers))  # fmt: skip
+    try:
+        cfg = trunk.config.replace(mtp=MtpConfig(layout=base.layout, recurse_normed=base.recurse_normed,
+                                                 draft_vocab_size=draft_size, block_layers=block_layers,
+                                                 fused_layers=fused))  # fmt: skip
+    except ValueError as e:
+        raise UserError(f"--fused-layers: {e}") from None
     model = CausalLM(cfg, dtype=trunk.dtype, rngs=nnx.Rngs(args.seed))
     keep = nnx.state(trunk, nnx.PathContains("mtp")) if args.init == "existing" else None
     head_paths = nnx.Any(nnx.PathContains("mtp"), nnx.PathContains("draft_vocab"))  # sized by this head's config
     nnx.update(model, nnx.state(trunk, nnx.Not(head_paths)))
-    if keep is not None and block_layers == base.block_layers:
+    if keep is not None and block_layers == base.block_layers and fused == base.fused_layers:
         nnx.update(model, keep)
     elif keep is not None:
         init_head_from_trunk(model, jax.random.key(args.seed))

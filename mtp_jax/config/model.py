@@ -204,6 +204,10 @@ class MtpConfig:
             from the trunk's); by default it shares the trunk's.
     block_layers: decoder layers stacked in the MTP module (1 in every released checkpoint; a head trained here
             may stack more, the extra ones saved as `{module}.block_layers.{i}.*`, i >= 1).
+    fused_layers: trunk layers (0-based) whose outputs (the residual stream after the layer) join the trunk's
+            final-normed hidden in the hidden the MTP layer reads (EAGLE-3's fused features): each normed by one
+            shared norm, then [h, l_1, .., l_n] projected to D (`MtpModule.feature_proj`). Empty (every released
+            checkpoint): the final hidden alone. Heads trained here only; not beside recurrent (hybrid) trunks.
     Layout "qwen_next" (Qwen3-Next, Qwen3.5 / 3.6): `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}` and
             `mtp.layers.0.*`, concat [e, h].
     """
@@ -215,6 +219,10 @@ class MtpConfig:
     own_embedding: bool = False
     own_head: bool = False
     block_layers: int = 1
+    fused_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "fused_layers", tuple(int(i) for i in self.fused_layers))  # a list read from JSON
 
     @property
     def concat_hidden_first(self) -> bool:
@@ -275,6 +283,12 @@ class ModelConfig:
             raise ValueError(f"layer types {sorted(unknown)} are not supported (linear_attention, full_attention)")
         if "linear_attention" in self.layer_types and self.linear_attention is None:
             raise ValueError("linear_attention layers need the gated DeltaNet shape (linear_attention)")
+        fused = self.mtp.fused_layers if self.mtp is not None else ()
+        if fused and (sorted(set(fused)) != list(fused) or fused[0] < 0 or fused[-1] >= self.num_layers - 1):
+            raise ValueError(f"fused_layers {list(fused)}: distinct increasing layers in 0..{self.num_layers - 2} "
+                             "(the last layer's output is the final hidden, always read)")  # fmt: skip
+        if fused and "linear_attention" in self.layer_types:
+            raise ValueError("fused_layers: a trunk of recurrent (gated DeltaNet) layers keeps no per-layer hiddens")
 
     @property
     def rotary_dim(self) -> int:

@@ -22,6 +22,7 @@ from mtp_jax.conversion.writer import write_folder
 from mtp_jax.families.base import Family
 from mtp_jax.families.registry import family_of, model_config_from_hf
 from mtp_jax.families.tables import (
+    FEATURE_FUSION,
     IGNORED_SUFFIXES,
     MTP_FUSION,
     ROUTED_EXPERT,
@@ -70,7 +71,7 @@ def candidate_targets(cfg: ModelConfig, names: frozenset[str] = frozenset()) -> 
                 yield from _layer_targets(cfg, family, f"{root}layers.{layer}.", ("segments", str(s), *stack), r, names)
     if cfg.has_mtp:
         prefix = mtp_prefix(cfg.mtp.layout, cfg.num_layers)
-        for suffix, (path, transform) in MTP_FUSION[cfg.mtp.layout].items():
+        for suffix, (path, transform) in {**MTP_FUSION[cfg.mtp.layout], **FEATURE_FUSION}.items():
             yield prefix + suffix, Target(("mtp", *path), (), transform)
         layer_prefix = mtp_layer_prefix(cfg.mtp.layout, cfg.num_layers)
         yield from _layer_targets(cfg, family, layer_prefix, ("mtp", "block", "layers"), 0, names)

@@ -41,11 +41,12 @@ def prefill_part(model: CausalLM, cfg: DecodeConfig, ids: jax.Array, following: 
     """`part` extended over the next whole chunk of its prompts (ids [B, C]; following [B]: each prompt's token
     after the chunk, which the MTP layer pairs with the chunk's last hidden)."""
     positions = part.start[:, None] + jnp.arange(ids.shape[1])  # [B, C]
-    hidden, cache = model.trunk(ids, positions, part.cache)  # [B, C, D]
-    mtp_cache = part.mtp_cache
-    if cfg.num_draft:
-        next_tokens = jnp.concatenate([ids[:, 1:], following[:, None]], axis=1)  # [B, C]
-        _, _, mtp_cache = model.mtp_step(hidden, next_tokens, positions, mtp_cache)
+    if not cfg.num_draft:
+        _, cache = model.trunk(ids, positions, part.cache)
+        return PromptPart(part.start + ids.shape[1], cache, part.mtp_cache)
+    _, draft_hidden, cache = model.trunk_for_drafts(ids, positions, part.cache)  # [B, C, D]
+    next_tokens = jnp.concatenate([ids[:, 1:], following[:, None]], axis=1)  # [B, C]
+    _, _, mtp_cache = model.mtp_step(draft_hidden, next_tokens, positions, part.mtp_cache)
     return PromptPart(part.start + ids.shape[1], cache, mtp_cache)
 
 
@@ -64,10 +65,12 @@ def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None,
     attention = attention or decode_attention(prompt_width, cfg)
     part = part or PromptPart.empty(model, cfg, batch, slots, attention)
     positions = part.start[:, None] + jnp.arange(prompt_width)  # [B, P]
-    hidden, cache = model.trunk(prompt_ids, positions, part.cache, lengths=prompt_lens)  # [B, P, D]
+    if k:  # the MTP layer reads the draft hidden (the final one, or its fusion with earlier layers' outputs)
+        hidden, draft_hidden, cache = model.trunk_for_drafts(prompt_ids, positions, part.cache, prompt_lens)
+    else:
+        (hidden, cache), draft_hidden = model.trunk(prompt_ids, positions, part.cache, lengths=prompt_lens), None
     last = prompt_lens - 1  # each row's last prompt token, in the ids
-    last_hidden = gather_rows(hidden, last)  # [B, D]
-    logits = model.logits(last_hidden)
+    logits = model.logits(gather_rows(hidden, last))  # [B, V]
     if sampling is None:
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
@@ -93,8 +96,9 @@ def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None,
     )
     if k == 0:
         return state
-    mtp_cache = mtp_over_prompt(model, prompt_ids, positions, last, hidden, first, part.mtp_cache)
-    return state.replace(mtp_cache=mtp_cache, block=first_block(cfg, last_hidden, first, part.start + last))
+    mtp_cache = mtp_over_prompt(model, prompt_ids, positions, last, draft_hidden, first, part.mtp_cache)
+    block = first_block(cfg, gather_rows(draft_hidden, last), first, part.start + last)
+    return state.replace(mtp_cache=mtp_cache, block=block)
 
 
 def mtp_over_prompt(model: CausalLM, prompt_ids, positions, last, hidden, first, mtp_cache):

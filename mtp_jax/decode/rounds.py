@@ -96,7 +96,7 @@ class Drafts(NamedTuple):
 class Verdict(NamedTuple):
     accepted: jax.Array  # [B] drafts accepted (a)
     token: jax.Array  # [B] the target's token after them
-    hidden: jax.Array  # [B, j+1, D] trunk hiddens of the verify block
+    hidden: jax.Array  # [B, j+1, D] the verify block's draft hiddens (`CausalLM.trunk_for_drafts`) for the MTP block
     cache: tuple  # trunk cache, per segment, after the block (recurrent states after every position, until `commit`)
     target_probs: jax.Array | None  # [B, j+1, V] when sampling
 
@@ -172,25 +172,31 @@ def draft(ctx: RoundContext, round_: Round, s: LoopState) -> Drafts:
     return Drafts(tokens[:, :j], None if probs is None else probs[:, :j], first, first_probs, mtp_cache)
 
 
-def verify(ctx: RoundContext, s: LoopState, drafts: jax.Array, draft_probs: jax.Array | None, cache) -> Verdict:
-    """The trunk over [pending, drafts] ([B, j+1]) from `cache`, and the drafts it accepts."""
+def verify(ctx: RoundContext, s: LoopState, drafts: jax.Array, draft_probs: jax.Array | None, cache,
+           feeds_mtp: bool = True) -> Verdict:  # fmt: skip
+    """The trunk over [pending, drafts] ([B, j+1]) from `cache`, and the drafts it accepts. `feeds_mtp`: the
+    verdict's hiddens go to the MTP block (the draft hiddens, `CausalLM.trunk_for_drafts`), else the final ones."""
     model, j = ctx.model, drafts.shape[1]
     inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, j+1]
     positions = s.position[:, None] + jnp.arange(j + 1)
     # A plain step (no drafts) keeps its one state; a verify block its inputs, until acceptance is known.
     recurrent = "every_state" if j else "last_state"
-    hidden, cache = model.trunk(inputs, positions, cache, recurrent=recurrent)
+    if feeds_mtp:
+        hidden, draft_hidden, cache = model.trunk_for_drafts(inputs, positions, cache, recurrent=recurrent)
+    else:
+        hidden, cache = model.trunk(inputs, positions, cache, recurrent=recurrent)
+        draft_hidden = hidden
     logits = model.logits(hidden)  # [B, j+1, V]
     if ctx.sampling is None:
         accepted, token = greedy_accept(drafts, logits)
-        return Verdict(accepted, token, hidden, cache, None)
+        return Verdict(accepted, token, draft_hidden, cache, None)
     target_probs = probabilities(logits, ctx.sampling)
     keys = round_keys(s.row_keys, s.num_generated, 1)
     if j == 0:
         accepted, token = jnp.zeros_like(s.pending), jax.vmap(sample)(keys, target_probs[:, 0])
     else:
         accepted, token = jax.vmap(rejection_accept)(keys, drafts, draft_probs, target_probs)
-    return Verdict(accepted, token, hidden, cache, target_probs)
+    return Verdict(accepted, token, draft_hidden, cache, target_probs)
 
 
 def emitted_tokens(ctx: RoundContext, s: LoopState, drafts: jax.Array, verdict: Verdict) -> tuple[jax.Array, ...]:
@@ -296,6 +302,6 @@ def observed_acceptance(round_: Round, s: LoopState, drafts: Drafts, verdict: Ve
 def run_round(ctx: RoundContext, round_: Round, s: LoopState) -> LoopState:
     """One round of kind `round_` (a `lax.while_loop` body once `ctx` and `round_` are bound)."""
     drafts = draft(ctx, round_, s) if round_.runs_mtp else no_drafts(s)
-    verdict = verify(ctx, s, drafts.tokens, drafts.probs, s.cache)
+    verdict = verify(ctx, s, drafts.tokens, drafts.probs, s.cache, feeds_mtp=round_.kind is not RoundKind.PLAIN)
     state = commit(ctx, round_, s, drafts, verdict)
     return record(ctx, round_, s, state, drafts, verdict)

@@ -178,7 +178,8 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     hybrid = model.config.is_hybrid  # its recurrent layers keep the block's inputs until the path is known
     positions = s.position[:, None] + block.depths  # [B, N+1]
     recurrent = "every_state" if hybrid else "last_state"
-    hidden, cache = model.trunk(inputs, positions, s.cache, recurrent=recurrent, block_tree=block)
+    hidden, draft_hidden, cache = model.trunk_for_drafts(inputs, positions, s.cache, recurrent=recurrent,
+                                                         block_tree=block)  # fmt: skip
     logits = model.logits(hidden)  # [B, N+1, V]
     if ctx.sampling is None:
         picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N+1]
@@ -192,7 +193,7 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
         segment if isinstance(segment, GroupCache) else move_slots(segment, s.position, path, budget + 1)
     )
     cache = tuple(moved(segment) for segment in cache)
-    path_hidden = jnp.take_along_axis(hidden, path[..., None], axis=1)  # [B, D+1, D]
+    path_hidden = jnp.take_along_axis(draft_hidden, path[..., None], axis=1)  # [B, D+1, D]
     verdict = Verdict(accepted, token, path_hidden, cache, None)
     return TreeVerdict(verdict, jnp.take_along_axis(inputs, path[:, 1:], axis=1))
 

@@ -67,6 +67,12 @@ TRUNK_ROOT = {
     "lm_head.weight": (("lm_head",), Linear(1)),
 }
 
+# A head trained here with fused features (MtpConfig.fused_layers), under any layout's MTP prefix.
+FEATURE_FUSION = {
+    "feature_norm.weight": (("feature_norm", "scale"), COPY),
+    "feature_proj.weight": (("feature_proj",), Linear(1)),
+}
+
 # MTP fusion tensors per layout: HF suffix under the MTP prefix -> (path under `mtp`, transform).
 MTP_FUSION = {
     "deepseek": {

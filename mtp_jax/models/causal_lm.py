@@ -74,9 +74,17 @@ class LayerStack(nnx.Module):
         (models/hybrid_stack.py): attention caches roll back by length. `visible_from` [B]: cache slots before it
         are not attended to (None: all are). `block_mask` [B, T, T]: the block entries each position sees (a draft
         tree's, whose positions go by depth; None: causally)."""
-        past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
+        x, cache, _ = self.tapped(x, positions, rope, cache, visible_from=visible_from, block_mask=block_mask)
+        return x, cache
 
-        def run(layer, x, index):
+    def tapped(self, x, positions, rope, cache, taps: tuple[int, ...] = (), visible_from=None, block_mask=None):
+        """`__call__`, also returning the outputs of the stack's layers `taps` (indices in the stack, increasing):
+        (x, cache, [len(taps), B, T, D] or None without taps)."""
+        past = jax.tree.leaves(cache.constrained())  # each [L, B, S, ...], in the order the layers take them
+        tap_index = jnp.asarray(taps, jnp.int32)  # [N]
+
+        def run(layer, carry, index):
+            x, outputs = carry
             layer_past = [layer_entries(entries, index) for entries in past]  # a scan's: read in place
             x, *new = layer(
                 x,
@@ -87,19 +95,22 @@ class LayerStack(nnx.Module):
                 attention=cache.attention,
                 block_mask=block_mask,
             )
-            return x, tuple(new)
+            if taps:  # [N, B, T, D]: the tap at this layer takes its output
+                outputs = jnp.where((tap_index == index)[:, None, None, None], x[None], outputs)
+            return (x, outputs), tuple(new)
 
+        start = (x, jnp.zeros((len(taps), *x.shape), x.dtype) if taps else None)
         if isinstance(self.layers, nnx.List):  # unstacked (`unstack_layers`): one call per layer, in order
-            x, new = loops.each_layer(run, x, list(self.layers))
+            (x, outputs), new = loops.each_layer(run, start, list(self.layers))
         else:
             graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
             keep, experts_only = stack_split_of(dispatch.current())
             whole, sliced = split_stack(stacked, experts_only) if keep else (None, stacked)
-            step = lambda x, inputs: run(nnx.merge(graphdef, layer_parameters(whole, *inputs)), x, inputs[1])
-            x, new = loops.scan(step, x, (sliced, jnp.arange(self.num_layers)))  # each new entry: [L, B, T, ...]
+            step = lambda carry, inputs: run(nnx.merge(graphdef, layer_parameters(whole, *inputs)), carry, inputs[1])
+            (x, outputs), new = loops.scan(step, start, (sliced, jnp.arange(self.num_layers)))  # new: [L, B, T, ...]
         # One scatter per cache array after the stack: slot (row, position) of every layer gets this block's entry.
         updated = [write_slots(old, entry, positions) for old, entry in zip(past, new, strict=True)]
-        return x, jax.tree.unflatten(jax.tree.structure(cache), updated).constrained()
+        return x, jax.tree.unflatten(jax.tree.structure(cache), updated).constrained(), outputs
 
 
 class MtpModule(nnx.Module):
@@ -124,6 +135,17 @@ class MtpModule(nnx.Module):
         head = init_weight(rngs, (d, v), dtype, d) if cfg.mtp.own_head else None
         self.embed = None if embed is None else nnx.Param(embed, axes=("vocab", "embed"), matmul=EMBEDDING)  # VD
         self.head = None if head is None else nnx.Param(head, axes=("embed", "vocab"), matmul=LM_HEAD)  # DV
+        fused, width = bool(cfg.mtp.fused_layers), (len(cfg.mtp.fused_layers) + 1) * d  # fused features (`fuse`)
+        features = init_weight(rngs, (width, d), dtype, width) if fused else None  # [(N+1) D, D]
+        self.feature_norm = model_norm(cfg, d, dtype=dtype) if fused else None
+        self.feature_proj = nnx.Param(features, axes=(None, "embed"), matmul=MatmulAxes((0,))) if fused else None
+
+    def fuse(self, hidden: jax.Array, taps: jax.Array) -> jax.Array:
+        """The hidden the MTP layer reads [B, T, D] from the trunk's final-normed hidden [B, T, D] and the outputs
+        of its `fused_layers` [B, T, N, D] (EAGLE-3's fused features): [h, norm(l_1), .., norm(l_N)] projected."""
+        normed = self.feature_norm(taps)
+        features = jnp.concatenate([hidden, normed.reshape(*hidden.shape[:-1], -1)], axis=-1)  # [B, T, (N+1) D]
+        return project("...F,FD->...D", features, self.feature_proj.get_value())
 
     def __call__(
         self,
@@ -207,21 +229,45 @@ class CausalLM(nnx.Module):
         cache before positions[:, 0] and to its ancestors in the block, whose entries go to slots positions[:, 0]
         onwards in block order (a tree's positions go by depth); recurrent layers take each entry's path
         ("every_state": `keep_verified` with the accepted path picks the states)."""
+        hidden, _, cache = self._trunk(tokens, positions, cache, lengths, recurrent, block_tree, taps=())
+        return hidden, cache
+
+    def trunk_for_drafts(self, tokens, positions, cache, lengths=None, recurrent: str = "chunked",
+                         block_tree: BlockTree | None = None) -> tuple[jax.Array, jax.Array, object]:  # fmt: skip
+        """`trunk`, also giving the hidden the MTP layer pairs with the next token: (final-normed hidden [B, T, D],
+        draft hidden [B, T, D], cache). The draft hidden is the final one, or with `mtp.fused_layers` its fusion
+        with those layers' outputs (`MtpModule.fuse`): passes that feed no MTP layer call `trunk` and tap none."""
+        fused = self.config.mtp.fused_layers if self.config.has_mtp else ()
+        hidden, taps, cache = self._trunk(tokens, positions, cache, lengths, recurrent, block_tree, taps=fused)
+        return hidden, (self.mtp.fuse(hidden, taps) if fused else hidden), cache
+
+    def trunk_taps(self, tokens, positions, cache, taps: tuple[int, ...]) -> tuple[jax.Array, jax.Array | None]:
+        """(final-normed hidden [B, T, D], the outputs of trunk layers `taps` [B, T, N, D] or None without taps) of a
+        pass from `cache`: what a head with fused features trains on."""
+        hidden, tapped, _ = self._trunk(tokens, positions, cache, None, "chunked", None, taps=taps)
+        return hidden, tapped
+
+    def _trunk(self, tokens, positions, cache, lengths, recurrent, block_tree, taps: tuple[int, ...]):
+        """(final-normed hidden [B, T, D], the outputs of trunk layers `taps` [B, T, N, D] (None without), cache)."""
         with jax.named_scope("trunk"):
             x, rope = self.embed_tokens(tokens), self.rope(positions)
-            updated = []
-            for i, (segment, segment_cache) in enumerate(zip(self.segments, cache, strict=True)):
+            updated, tapped = [], []
+            for i, (spec, segment, segment_cache) in enumerate(
+                zip(self.config.segments(), self.segments, cache, strict=True)
+            ):
                 with jax.named_scope(f"segment_{i}"):
-                    if block_tree is None:
-                        x, segment_cache = segment(x, positions, rope, segment_cache, lengths, recurrent)
-                    elif isinstance(segment, GroupStack):
-                        x, segment_cache = segment(
-                            x, positions, rope, segment_cache, recurrent=recurrent, block_tree=block_tree
-                        )
+                    if isinstance(segment, GroupStack):
+                        tree = {} if block_tree is None else dict(block_tree=block_tree)
+                        x, segment_cache = segment(x, positions, rope, segment_cache, lengths, recurrent, **tree)
                     else:
-                        x, segment_cache = segment(x, positions, rope, segment_cache, block_mask=block_tree.mask)
+                        local = tuple(t - spec.start for t in taps if spec.start <= t < spec.start + spec.count)
+                        mask = None if block_tree is None else block_tree.mask
+                        x, segment_cache, outputs = segment.tapped(x, positions, rope, segment_cache, local,
+                                                                   block_mask=mask)  # fmt: skip
+                        tapped.extend([] if outputs is None else [outputs])
                 updated.append(segment_cache)
-            return self.final_norm(x), tuple(updated)
+            taps_out = jnp.moveaxis(jnp.concatenate(tapped), 0, 2) if tapped else None  # [B, T, N, D]
+            return self.final_norm(x), taps_out, tuple(updated)
 
     def keep_verified(self, before, after, accepted: jax.Array, active: jax.Array, path: jax.Array | None = None):
         """The trunk cache after a verify block run with recurrent="every_state": recurrent states as after block

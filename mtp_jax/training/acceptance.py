@@ -24,11 +24,11 @@ def _teacher_forced(graphdef, params, tokens, depth: int):
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
     cache = model.new_cache(batch, width + depth)
-    hidden, _ = model.trunk(tokens, positions, cache)  # [B, T, D]
+    hidden, draft_hidden, _ = model.trunk_for_drafts(tokens, positions, cache)  # [B, T, D] each
     trunk_argmax = jnp.argmax(model.logits(hidden), axis=-1)  # [B, T]: the trunk's x[p+1]
     padded = jnp.concatenate([tokens, jnp.zeros((batch, depth + 1), tokens.dtype)], axis=1)  # [B, T+d+1]
     mtp_cache = model.new_mtp_cache(batch, width + depth)
-    deep, normed, mtp_cache = model.mtp_step(hidden, padded[:, 1 : width + 1], positions, mtp_cache)
+    deep, normed, mtp_cache = model.mtp_step(draft_hidden, padded[:, 1 : width + 1], positions, mtp_cache)
     first = model.draft_ids(jnp.argmax(model.draft_logits(normed), axis=-1))  # [B, T]: predicts x[p+2]
 
     def chain(deep_p, start):  # deep_p [B, D]: depth-1 hidden at start position p

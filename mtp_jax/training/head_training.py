@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.layers import model_norm
 from mtp_jax.quant.quantized_array import QuantizedArray, dense
 from mtp_jax.runtime.errors import UserError
 
@@ -46,6 +47,13 @@ class Batch:
     hidden: jax.Array  # [B, T, D] the frozen trunk's final-normed hidden
     lengths: jax.Array  # [B] valid tokens per row
     loss_start: jax.Array  # [B] first target position that counts (the response start)
+    taps: jax.Array | None = None  # [B, T, N, D] the outputs of the head's `fused_layers` (None: it fuses none)
+
+
+def draft_hidden(model: CausalLM, batch: Batch) -> jax.Array:
+    """[B, T, D] the hidden the MTP layer reads at each slot: the trunk's final one, or its fusion with the outputs
+    of the head's `fused_layers` (`MtpModule.fuse`, trained with the head)."""
+    return batch.hidden if batch.taps is None else model.mtp.fuse(batch.hidden, batch.taps)
 
 
 def step_logits(model: CausalLM, tokens: jax.Array, hidden: jax.Array, num_steps: int,
@@ -133,7 +141,8 @@ def step_losses(model: CausalLM, batch: Batch, num_steps: int, target_index: jax
         raise ValueError(f"unknown objective {objective!r}; known: ce, kl, tv")
     safe_target = jnp.maximum(target_draft, 0)
     losses, accuracies, counts = [], [], []
-    for step, logits in enumerate(step_logits(model, tokens, batch.hidden, num_steps, training_time_test)):
+    step_inputs = draft_hidden(model, batch)
+    for step, logits in enumerate(step_logits(model, tokens, step_inputs, num_steps, training_time_test)):
         log_q = jax.nn.log_softmax(logits, axis=-1)  # [B, T, Vd]
         if objective == "ce":
             loss = -jnp.take_along_axis(log_q, safe_target[..., None], -1)[..., 0]
@@ -263,17 +272,19 @@ def _manager_options():
     return ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _trunk_hidden(graphdef, params, tokens):
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+def _trunk_hidden(graphdef, params, tokens, taps: tuple[int, ...]):
+    """(final-normed hidden [B, T, D], the outputs of trunk layers `taps` [B, T, N, D] or None)."""
     model: CausalLM = nnx.merge(graphdef, params)
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
     cache = model.new_cache(batch, 1)
-    return model.trunk(tokens, positions, cache)[0]
+    return model.trunk_taps(tokens, positions, cache, taps)
 
 
 class SequenceData:
-    """Token sequences (prompt + response), padded to `width`, with the frozen trunk's hiddens computed once."""
+    """Token sequences (prompt + response), padded to `width`, with the frozen trunk's hiddens computed once (and
+    the outputs of the layers a head with fused features reads)."""
 
     def __init__(self, model: CausalLM, records: list[dict], width: int, chunk: int = 8, progress=None):
         count = len(records)
@@ -286,12 +297,17 @@ class SequenceData:
             self.lengths[i] = len(ids)
             self.loss_start[i] = min(record.get("prompt_len", 0), len(ids))
         graphdef, params = nnx.split(model)
-        self.hidden = np.zeros((count, width, model.config.hidden_size), np.dtype(model.dtype))
+        d, taps = model.config.hidden_size, model.config.mtp.fused_layers if model.config.has_mtp else ()
+        self.hidden = np.zeros((count, width, d), np.dtype(model.dtype))
+        self.taps = np.zeros((count, width, len(taps), d), np.dtype(model.dtype)) if taps else None
         for start in range(0, count, chunk):
             rows = self.tokens[start : start + chunk]
             padded = np.zeros((chunk, width), np.int32)
             padded[: len(rows)] = rows  # fixed shape: one compile
-            self.hidden[start : start + len(rows)] = np.asarray(_trunk_hidden(graphdef, params, padded))[: len(rows)]
+            hidden, tapped = _trunk_hidden(graphdef, params, padded, taps)
+            self.hidden[start : start + len(rows)] = np.asarray(hidden)[: len(rows)]
+            if taps:
+                self.taps[start : start + len(rows)] = np.asarray(tapped)[: len(rows)]
             if progress is not None:
                 progress(len(rows))
 
@@ -311,6 +327,7 @@ class SequenceData:
             hidden=jnp.asarray(self.hidden[rows]),
             lengths=jnp.asarray(self.lengths[rows]),
             loss_start=jnp.asarray(self.loss_start[rows]),
+            taps=None if self.taps is None else jnp.asarray(self.taps[rows]),
         )
 
 
@@ -357,7 +374,8 @@ def frequent_tokens(records: list[dict], vocab_size: int, size: int) -> np.ndarr
 def init_head_from_trunk(model: CausalLM, key: jax.Array) -> None:
     """Start the MTP block's L layers from the trunk's last L (of the trunk's last segment: the MTP layer's kind;
     weights the trunk holds quantized start the head dequantized, in the model's dtype: a head trains in floats),
-    its final norm from the trunk's, the fusion projection random (std 1/sqrt(2D)), fusion norms at one."""
+    its final norm from the trunk's, the fusion projection random (std 1/sqrt(2D)), fusion norms at one; fused
+    features (`fused_layers`) start as the final hidden alone (their projection [I; 0; ..; 0])."""
     count = model.config.mtp.block_layers
     is_quantized = lambda a: isinstance(a, QuantizedArray)
     last = jax.tree.map(lambda a: dense(a)[-count:], nnx.state(model.segments[-1].layers), is_leaf=is_quantized)
@@ -367,6 +385,10 @@ def init_head_from_trunk(model: CausalLM, key: jax.Array) -> None:
     model.mtp.proj[...] = (jax.random.normal(key, (2 * d, d)) / np.sqrt(2 * d)).astype(model.mtp.proj.dtype)
     model.mtp.token_norm.scale[...] = jnp.ones_like(model.mtp.token_norm.scale[...])
     model.mtp.hidden_norm.scale[...] = jnp.ones_like(model.mtp.hidden_norm.scale[...])
+    if model.mtp.feature_proj is not None:
+        model.mtp.feature_norm.scale[...] = model_norm(model.config, d, dtype=model.dtype).scale[...]
+        features = model.mtp.feature_proj.shape[0]
+        model.mtp.feature_proj[...] = jnp.eye(features, d, dtype=model.mtp.feature_proj.dtype)  # [(N+1) D, D]
 
 
 # A decoder layer with these at zero adds nothing to its residual stream: the identity.
