@@ -31,16 +31,8 @@ from mtp_jax.runtime.errors import UserError, run_cli
 from mtp_jax.runtime.files import write_atomically
 from mtp_jax.training import answer_shards
 from mtp_jax.training.acceptance import acceptance_counts, summarize, teacher_forced_predictions
-from mtp_jax.training.head_training import (
-    SequenceData,
-    TrainConfig,
-    Trainer,
-    check_sequences,
-    frequent_tokens,
-    grow_head,
-    init_head_from_trunk,
-    read_records,
-)
+from mtp_jax.training.head_training import TrainConfig, Trainer, frequent_tokens, grow_head, init_head_from_trunk
+from mtp_jax.training.sequences import SequenceData, check_sequences, read_records
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,7 +188,7 @@ def run(args) -> int:
     if earlier and not resuming and not args.overwrite:
         what, hint = ("checkpoint", "--resume continues that run, ") if steps else ("head", "")
         raise UserError(f"{earlier[0]}: another run's {what} is there: {hint}--overwrite starts afresh over it")
-    trunk, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head)
+    trunk, tokenizer = checkpoint.load(args.model, dtype=args.dtype, head=args.head, float_head=True)
     records = load_sequences(args.data, trunk, tokenizer)
     model = training_model(trunk, args, records)
     del trunk

@@ -40,6 +40,7 @@ def load(
     default_head: bool = True,
     weights: str = "auto",
     activations: str = "auto",
+    float_head: bool = False,
 ):
     """(model, tokenizer or None) for `path`; None means the default model. `path` may also be a Hugging Face repo
     id, `ORG/NAME[@REVISION]` (`mtp_jax.loading.hub`; an existing local path of that name wins).
@@ -63,6 +64,9 @@ def load(
     model of the same weights, faster on a CPU whose row kernel sums integer products in vectors. Needs weights in
     blocks ("int4", or a GGUF's Q4_1 / Q8_0 under "auto"). "auto" (the default): "int8" where `int8_pays`, else
     "float".
+
+    `float_head`: the MTP head stays in `dtype` beside a trunk in blocks (a head to train), instead of the Q8_0
+    blocks a decode reads it in (`head_in_trunk_blocks`).
     """
     if activations not in ACTIVATION_FORMATS:
         raise UserError(f"activations must be one of {', '.join(ACTIVATION_FORMATS)}; got {activations!r}")
@@ -73,7 +77,7 @@ def load(
     if not (weights == "fp8" and is_quantized(model)):  # the checkpoint's own fp8: what it left alone stays so
         model = quantize_model(model, weights)
     rules = rules_for(mesh)
-    if keeps_gguf_blocks(weights, rules):
+    if keeps_gguf_blocks(weights, rules) and not float_head:
         model = head_in_trunk_blocks(model)  # a GGUF trunk's blocks: the MTP layer in Q8_0 blocks beside them
     return with_activations(model, activations, rules, weights), tokenizer
 

@@ -27,7 +27,10 @@ SET_UP = [
 ]
 MAX_LINES = 220
 # appended to the decoding commands (argparse keeps the last value)
-SMALL_BUDGETS = {"mtp_jax.decode": ["--max-new-tokens", "4"], "mtp_jax.bench": ["--max-new-tokens", "4", "--repeats", "1"]}
+SMALL_BUDGETS = {
+    "mtp_jax.decode": ["--max-new-tokens", "4"],
+    "mtp_jax.bench": ["--max-new-tokens", "4", "--repeats", "1"],
+}
 
 
 def blocks(language: str) -> list[str]:

@@ -46,3 +46,12 @@ def test_default_numerics_follow_the_kernel_and_the_head_is_held_in_blocks(smoll
     np.testing.assert_array_equal(drafted.tokens, plain.tokens)
     np.testing.assert_array_equal(drafted.lengths, plain.lengths)
     assert float(drafted.stats.accepted) > 0
+
+
+def test_a_head_to_train_stays_in_floats_beside_the_trunks_blocks(smollm2_path):
+    """train_head's trunk: the GGUF's blocks kept (its hiddens are the decode's), the head as saved, in floats (a
+    head in int8 blocks has no gradient)."""
+    model, _ = checkpoint.load(None, float_head=True)
+    weights = mtp_weights(model)
+    assert weights and not any(isinstance(w, QuantizedArray) for w in weights.values())
+    assert isinstance(model.segments[0].layers.attn.q_proj.get_value(), QuantizedArray)

@@ -21,7 +21,6 @@ from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.models.kv_cache import KVCache
 from mtp_jax.training.head_training import (
     Batch,
-    SequenceData,
     TrainConfig,
     Trainer,
     frequent_tokens,
@@ -30,6 +29,7 @@ from mtp_jax.training.head_training import (
     step_logits,
     step_losses,
 )
+from mtp_jax.training.sequences import SequenceData
 from tests.support.tiny_models import predictable_model, tiny_config
 
 

@@ -196,8 +196,9 @@ def _kernel_blocks(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
 def _int8_rows_layout(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
     """Whether the kernel's int8-rows product (native/row_int8.h, `int8_rows_reads`) reads this weight at every ISA
     level (vectors of at most MAX_LANES lanes), else XLA's product rounds x: blocks of a multiple of 4 contracting
-    elements; 4-bit values [K, N] with N a multiple of 2 MAX_LANES in blocks of at most 32 elements; int8 ones [K, N] with N a multiple of MAX_LANES,
-    or [N, K] with K a multiple of 4 MAX_LANES and blocks of 32 elements or a multiple of 4 MAX_LANES."""
+    elements; 4-bit values [K, N] with N a multiple of 2 MAX_LANES in blocks of at most 32 elements; int8 ones
+    [K, N] with N a multiple of MAX_LANES, or [N, K] with K a multiple of 4 MAX_LANES and blocks of 32 elements or a
+    multiple of 4 MAX_LANES."""
     kb = matmul_layout.contracting_blocks(lay, weight)
     _, _, k, n = lay.gmkn
     if kb is None or (k // kb) % 4:
