@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -145,11 +146,13 @@ def _read(path: Path) -> dict:
 
 def _costs_key(model, batch_size: int, max_draft: int, invariant: bool, kind: str) -> str:
     """Everything the measurement depends on but the prompts: the model's config and parameter shapes and dtypes,
-    the kernel's build and ISA level, JAX's version, the CPU's cores, the batch, the drafts, the numerics."""
+    a sample of their values (`values_sample`), the kernel's build and ISA level, JAX's version, the CPU's cores, the
+    batch, the drafts, the numerics."""
     leaves = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(nnx.state(model))]
     parts = [
         repr(model.config),
         repr(leaves),
+        values_sample(model),
         cpu_rows.level(),
         jax.devices()[0].device_kind,
         " ".join(kernel_build.flags()),
@@ -158,3 +161,16 @@ def _costs_key(model, batch_size: int, max_draft: int, invariant: bool, kind: st
         f"{batch_size}/{max_draft}/{invariant}/{kind}",
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+VALUES_SAMPLE = 4096  # values read from each of the model's arrays for the costs' key
+
+
+def values_sample(model) -> str:
+    """A digest of the first VALUES_SAMPLE values of every array of the model: what tells two models of one shape
+    apart (a retrained head drafts otherwise, a finetuned trunk answers otherwise), without moving a large model
+    (DeepSeek-V3's gigabytes) to the host."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        digest.update(np.asarray(jnp.ravel(leaf)[:VALUES_SAMPLE]).tobytes())
+    return digest.hexdigest()

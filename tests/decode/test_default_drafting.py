@@ -59,6 +59,23 @@ def test_measured_once_per_key(model, monkeypatch, tmp_path):
     assert default_drafting.costs_path().is_file()
 
 
+def test_a_retrained_head_or_trunk_of_the_same_shape_is_measured_again(model):
+    """What is kept depends on the model's values: a head or trunk of the same shape with other values gets its own
+    key."""
+    key = lambda m: default_drafting._costs_key(m, 1, 2, False, "fixed")
+
+    def copy():
+        other = CausalLM(model.config, rngs=nnx.Rngs(0))
+        nnx.update(other, nnx.state(model))
+        return other
+
+    assert key(copy()) == key(model)
+    retrained, finetuned = copy(), copy()
+    retrained.mtp.proj[...] = retrained.mtp.proj[...] + 1e-3
+    finetuned.final_norm.scale[...] = finetuned.final_norm.scale[...] * 2
+    assert len({key(model), key(retrained), key(finetuned)}) == 3
+
+
 def test_adaptive_with_a_tree_gets_the_trees_cost_last(model, monkeypatch):
     found = {"costs": [1.0, 1.3, 1.7, 2.1, 3.4]}
     monkeypatch.setattr(default_drafting, "measured", lambda *a: (found, "measured earlier"))
