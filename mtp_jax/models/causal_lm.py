@@ -264,7 +264,8 @@ class CausalLM(nnx.Module):
                         mask = None if block_tree is None else block_tree.mask
                         x, segment_cache, outputs = segment.tapped(x, positions, rope, segment_cache, local,
                                                                    block_mask=mask)  # fmt: skip
-                        tapped.extend([] if outputs is None else [outputs])
+                        if outputs is not None:
+                            tapped.append(outputs)
                 updated.append(segment_cache)
             taps_out = jnp.moveaxis(jnp.concatenate(tapped), 0, 2) if tapped else None  # [B, T, N, D]
             return self.final_norm(x), taps_out, tuple(updated)

@@ -253,7 +253,7 @@ def test_a_new_head_replaces_a_trunk_head_with_another_draft_vocabulary(draft_vo
     cfg = tiny_config()
     trunk = mtp_jax.CausalLM(cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=8)), rngs=nnx.Rngs(0))
     records = self_distilled_data(predictable_model("deepseek", seed=3), count=4, new_tokens=10)
-    args = argparse.Namespace(init="trunk-last", draft_vocab=draft_vocab, seed=0, block_layers=None)
+    args = argparse.Namespace(init="trunk-last", draft_vocab=draft_vocab, seed=0, block_layers=None, fused_layers=None)
     model = training_model(trunk, args, records)
     if draft_vocab:
         np.testing.assert_array_equal(model.draft_vocab[...], frequent_tokens(records, cfg.vocab_size, draft_vocab))
@@ -272,7 +272,7 @@ def test_finetuning_a_head_keeps_its_draft_vocabulary_of_the_same_size(draft_voc
     trunk = mtp_jax.CausalLM(cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=8)), rngs=nnx.Rngs(0))
     trunk.draft_vocab[...] = jnp.arange(8, 16, dtype=trunk.draft_vocab[...].dtype)
     records = self_distilled_data(predictable_model("deepseek", seed=3), count=4, new_tokens=10)
-    args = argparse.Namespace(init="existing", draft_vocab=draft_vocab, seed=0, block_layers=None)
+    args = argparse.Namespace(init="existing", draft_vocab=draft_vocab, seed=0, block_layers=None, fused_layers=None)
     model = training_model(trunk, args, records)
     expected = np.arange(8, 16) if draft_vocab == 8 else frequent_tokens(records, cfg.vocab_size, draft_vocab)
     np.testing.assert_array_equal(model.draft_vocab[...], expected)
@@ -289,7 +289,9 @@ def test_a_grown_head_drafts_as_the_head_it_grew_from_then_trains_its_added_laye
 
     trunk = predictable_model("deepseek", seed=3)
     records = self_distilled_data(trunk, count=8, new_tokens=12)
-    grown = training_model(trunk, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=2), records)
+    grown = training_model(
+        trunk, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=2, fused_layers=None), records
+    )
     assert grown.config.mtp.block_layers == 2
     data = SequenceData(grown, records, width=16)
     tokens, hidden = jnp.asarray(data.tokens), jnp.asarray(data.hidden)
@@ -313,6 +315,14 @@ def test_a_grown_head_drafts_as_the_head_it_grew_from_then_trains_its_added_laye
     for a, b in zip(trained, reloaded, strict=True):
         np.testing.assert_allclose(b, a, atol=0.05)  # the file holds bfloat16
     with pytest.raises(UserError, match="grow, not shrink"):
-        training_model(attached, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=1), records)
+        training_model(
+            attached,
+            argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=1, fused_layers=None),
+            records,
+        )
     with pytest.raises(UserError, match="last run of layers"):  # the tiny trunk has 2 layers to start from
-        training_model(trunk, argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=3), records)
+        training_model(
+            trunk,
+            argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=3, fused_layers=None),
+            records,
+        )
