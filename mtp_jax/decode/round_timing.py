@@ -85,8 +85,14 @@ def repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft
             return kept, tokens + verdict.token + verdict.accepted
 
         return jax.lax.fori_loop(0, iterations, verify_step, (state.cache, jnp.zeros_like(state.pending)))
-    draft_step = lambda _, mtp_cache: draft(ctx, timed, state.replace(mtp_cache=mtp_cache)).mtp_cache
-    return jax.lax.fori_loop(0, iterations, draft_step, state.mtp_cache)
+    def draft_step(_, carry):  # the MTP layer's passes and the draft head
+        mtp_cache, tokens = carry
+        drafts = draft(ctx, timed, state.replace(mtp_cache=mtp_cache))
+        # the drafts are carried: without a use, XLA drops the draft head and all of the MTP layer but its cache
+        # entries as dead code
+        return drafts.mtp_cache, tokens + jnp.sum(drafts.tokens, axis=1) + drafts.first
+
+    return jax.lax.fori_loop(0, iterations, draft_step, (state.mtp_cache, jnp.zeros_like(state.pending)))
 
 
 class RoundTimer:

@@ -196,3 +196,20 @@ def test_verify_part_computes_the_logits():
     state = prefilled_state(graphdef, params, ids, lens, cfg, 16)
     hlo = repeat_part.lower(graphdef, params, state, cfg, "verify", 2, 1).compile().as_text()
     assert f"f32[2,3,{vocab}]" in hlo, f"no [B, j+1, V] logits in the verify part's program (V = {vocab})"
+
+
+@pytest.mark.slow
+def test_draft_part_computes_the_drafts():
+    """The timed draft part runs the whole MTP layer and the draft head: a program keeping only what the MTP cache
+    needs (the layer's keys and values) would time a fraction of a round's drafting."""
+    from mtp_jax.config.decode import DecodeConfig
+    from mtp_jax.decode.round_timing import prefilled_state, repeat_part
+
+    model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
+    vocab = model.config.vocab_size
+    ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
+    cfg = DecodeConfig(num_draft=1, max_new_tokens=8, stop_on_eos=False)
+    graphdef, params = nnx.split(model)
+    state = prefilled_state(graphdef, params, ids, lens, cfg, 16)
+    hlo = repeat_part.lower(graphdef, params, state, cfg, "draft", 1, 1).compile().as_text()
+    assert f"f32[2,{vocab}]" in hlo, f"no [B, V] draft logits in the draft part's program (V = {vocab})"
