@@ -26,7 +26,7 @@ from mtp_jax.parallel import sharding
 from mtp_jax.plan import hlo_text, hlo_traffic, planning, routed_floor, shapes, topology
 from mtp_jax.plan.hlo_collectives import array_bytes, collectives
 from mtp_jax.runtime.errors import UserError
-from tests.support.commands import ROOT, run_plan
+from tests.support.commands import ROOT, plan_in_process, run_plan
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -267,7 +267,7 @@ def test_plan_of_a_draft_tree_round(tmp_path, shape):
               "--prompt-len", "16", "--num-draft", "2"]  # fmt: skip
     plans = {}
     for name, extra in (("chain", []), ("tree", ["--tree", "6", "--tree-width", "2", "--tokens-per-round", "2.5"])):
-        proc = run_plan(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
+        proc = plan_in_process(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
     tree, chain = plans["tree"], plans["chain"]
@@ -288,7 +288,7 @@ def test_a_draft_vocabulary_shrinks_a_tree_rounds_reads(tmp_path):
               "--prompt-len", "16", "--num-draft", "2", "--tree", "6", "--tree-width", "2"]  # fmt: skip
     plans = {}
     for name, extra in (("whole", []), ("subset", ["--draft-vocab", "64"])):
-        proc = run_plan(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
+        proc = plan_in_process(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
     whole, subset = plans["whole"], plans["subset"]
@@ -318,7 +318,7 @@ def test_a_draft_vocabulary_shrinks_a_tree_rounds_reads(tmp_path):
     ],
 )
 def test_plan_cli_bad_input_is_one_line(args, message):
-    proc = run_plan("--random-shape", "tiny", *args)
+    proc = plan_in_process("--random-shape", "tiny", *args)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
@@ -329,7 +329,7 @@ def test_plan_cli_bad_input_is_one_line(args, message):
 @pytest.mark.tpu_compile
 def test_auto_mesh_lists_every_layout_best_first(tmp_path):
     out = tmp_path / "plans.json"
-    proc = run_plan("--random-shape", "tiny", "--topology", "v5e:2x2", "--mesh", "auto", "--batch-size", "2",
+    proc = plan_in_process("--random-shape", "tiny", "--topology", "v5e:2x2", "--mesh", "auto", "--batch-size", "2",
                     "--max-new-tokens", "32", "--prompt-len", "16", "--json", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     plans = json.loads(out.read_text())

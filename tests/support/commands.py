@@ -1,11 +1,15 @@
 """The repository's root (where the tests start commands and child processes: `python -m tests.support...` runs
-from there), and the plan command run as a user runs it."""
+from there), and the plan command: run as a user runs it (a child process), or in the test's own process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+
+import jax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,3 +18,25 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mtp_jax.plan", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
+
+
+def plan_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m mtp_jax.plan ARGS` run in this process, as `run_plan` reports it (exit status, stdout, stderr):
+    no start-up of JAX and libtpu per plan, and programs compiled by earlier plans of the process are reused. What
+    the command sets for its process (the optimizations flag, the environment) is put back afterwards. Not for
+    `cpu:N` topologies: they need host devices asked for before JAX starts."""
+    from mtp_jax.cli import plan
+
+    out, err = io.StringIO(), io.StringIO()
+    environment, optimizations = dict(os.environ), jax.config.values["jax_disable_most_optimizations"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = plan.main(list(args))
+            except SystemExit as e:  # argparse's refusals
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        jax.config.update("jax_disable_most_optimizations", optimizations)
+    return subprocess.CompletedProcess(["python", "-m", "mtp_jax.plan", *args], code, out.getvalue(), err.getvalue())
