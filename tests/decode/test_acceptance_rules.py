@@ -1,0 +1,81 @@
+"""The acceptance rules by themselves, on synthetic distributions (no model, no decode loop): greedy acceptance
+against a loop written out here, and speculative rejection sampling's emitted tokens against the target
+distributions, from many independent draws."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.decode.sampling import greedy_accept, rejection_accept
+
+VOCAB = 6
+
+
+def test_greedy_accepts_the_longest_agreeing_prefix_then_the_targets_token():
+    rng = np.random.default_rng(0)
+    batch, k = 256, 3
+    logits = rng.normal(size=(batch, k + 1, VOCAB)).astype(np.float32)
+    target = logits.argmax(-1)
+    agree = rng.random((batch, k)) < 0.7
+    drafts = np.where(agree, target[:, :k], (target[:, :k] + rng.integers(1, VOCAB, (batch, k))) % VOCAB)
+    accepted, token = (np.asarray(x) for x in greedy_accept(jnp.asarray(drafts), jnp.asarray(logits)))
+    expected = np.zeros(batch, int)
+    for b in range(batch):
+        while expected[b] < k and drafts[b, expected[b]] == target[b, expected[b]]:
+            expected[b] += 1
+    np.testing.assert_array_equal(accepted, expected)
+    np.testing.assert_array_equal(token, target[np.arange(batch), expected])
+    assert {0, 1, k} <= set(expected.tolist())  # rows rejected at once, part way and never
+
+
+def emitted_frequencies(p: np.ndarray, q: np.ndarray, draws: int, seed: int):
+    """Drafts drawn from q ([k, V]; a synthetic row's target p [k+1, V] does not depend on them) and judged by
+    `rejection_accept`: per position i, (how often a round emits a token at i, the frequencies of the tokens it
+    emits there), and the frequency of a first draft accepted."""
+    k = q.shape[0]
+    draft_keys, accept_keys = jax.random.split(jax.random.key(seed), 2)
+    drafts = jax.random.categorical(draft_keys, jnp.log(jnp.asarray(q)), shape=(draws, k)).astype(jnp.int32)
+    keys = jax.random.split(accept_keys, draws)
+    accepted, token = jax.vmap(rejection_accept, in_axes=(0, 0, None, None))(keys, drafts, jnp.asarray(q),
+                                                                             jnp.asarray(p))  # fmt: skip
+    drafts, accepted, token = np.asarray(drafts), np.asarray(accepted), np.asarray(token)
+    per_position = []
+    for i in range(k + 1):
+        reached = accepted >= i  # a round emits a token at i when its first i drafts were accepted
+        emitted = np.where(accepted[reached] > i, drafts[reached, min(i, k - 1)], token[reached])
+        per_position.append((reached.sum(), np.bincount(emitted, minlength=VOCAB) / max(reached.sum(), 1)))
+    return per_position, (accepted >= 1).mean()
+
+
+def assert_close(frequencies: np.ndarray, probabilities: np.ndarray, n: int, what: str):
+    """Every token's frequency within 5 standard errors of its probability (about 1 in 10^6 per comparison)."""
+    tolerance = 5 * np.sqrt(probabilities * (1 - probabilities) / n) + 1e-9
+    assert np.all(np.abs(frequencies - probabilities) <= tolerance), (what, frequencies, probabilities)
+
+
+def test_rejection_sampling_emits_the_targets_distribution_at_every_position():
+    """Drafts from q, judged against p: the token a round emits at each position is distributed as that position's
+    target p, whether it is an accepted draft, a token drawn from the residual or the bonus token after k drafts; a
+    first draft is accepted with probability sum(min(p, q)). q leaves out tokens p has (a draft vocabulary) and p
+    leaves out tokens q proposes. (A rejection that draws from p itself instead of the residual fails this.)"""
+    p = np.array(
+        [[0.40, 0.25, 0.20, 0.10, 0.05, 0.00], [0.05, 0.05, 0.50, 0.20, 0.00, 0.20], [0.30, 0.30, 0.10, 0.10, 0.10, 0.10]]
+    )
+    q = np.array([[0.10, 0.50, 0.20, 0.00, 0.00, 0.20], [0.20, 0.00, 0.30, 0.30, 0.20, 0.00]])
+    per_position, first_accepted = emitted_frequencies(p, q, draws=200_000, seed=0)
+    for i, (reached, frequencies) in enumerate(per_position):
+        assert reached > 20_000
+        assert_close(frequencies, p[i], reached, f"position {i}")
+    acceptance = np.minimum(p[0], q[0]).sum()
+    assert abs(first_accepted - acceptance) <= 5 * np.sqrt(acceptance * (1 - acceptance) / 200_000)
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted():
+    """q = p: every draft passes (the uniform draw times q is below p), and the bonus token comes from p[k]."""
+    p = np.array([[0.5, 0.3, 0.2, 0.0, 0.0, 0.0], [0.0, 0.1, 0.1, 0.8, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.6, 0.4]])
+    per_position, first_accepted = emitted_frequencies(p, p[:2], draws=20_000, seed=1)
+    assert first_accepted == 1.0
+    assert [reached for reached, _ in per_position] == [20_000] * 3
+    assert_close(per_position[2][1], p[2], 20_000, "bonus")
