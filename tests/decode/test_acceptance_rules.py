@@ -60,9 +60,11 @@ def test_rejection_sampling_emits_the_targets_distribution_at_every_position():
     target p, whether it is an accepted draft, a token drawn from the residual or the bonus token after k drafts; a
     first draft is accepted with probability sum(min(p, q)). q leaves out tokens p has (a draft vocabulary) and p
     leaves out tokens q proposes. (A rejection that draws from p itself instead of the residual fails this.)"""
-    p = np.array(
-        [[0.40, 0.25, 0.20, 0.10, 0.05, 0.00], [0.05, 0.05, 0.50, 0.20, 0.00, 0.20], [0.30, 0.30, 0.10, 0.10, 0.10, 0.10]]
-    )
+    p = np.array([
+        [0.40, 0.25, 0.20, 0.10, 0.05, 0.00],
+        [0.05, 0.05, 0.50, 0.20, 0.00, 0.20],
+        [0.30, 0.30, 0.10, 0.10, 0.10, 0.10],
+    ])  # fmt: skip
     q = np.array([[0.10, 0.50, 0.20, 0.00, 0.00, 0.20], [0.20, 0.00, 0.30, 0.30, 0.20, 0.00]])
     per_position, first_accepted = emitted_frequencies(p, q, draws=200_000, seed=0)
     for i, (reached, frequencies) in enumerate(per_position):
