@@ -1,14 +1,23 @@
 """The acceptance rules by themselves, on synthetic distributions (no model, no decode loop): greedy acceptance
 against a loop written out here, and speculative rejection sampling's emitted tokens against the target
-distributions, from many independent draws."""
+distributions, from many independent draws; and one verify pass of a tiny trunk against plain decoding."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 
+import mtp_jax
+from mtp_jax.decode.round_timing import prefilled_state
+from mtp_jax.decode.rounds import Round, RoundKind, round_context, verify
 from mtp_jax.decode.sampling import greedy_accept, rejection_accept
+from mtp_jax.models.kv_cache import cache_slots
+from tests.support.tiny_models import tiny_config
 
 VOCAB = 6
 
@@ -81,3 +90,37 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
     assert first_accepted == 1.0
     assert [reached for reached, _ in per_position] == [20_000] * 3
     assert_close(per_position[2][1], p[2], 20_000, "bonus")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def verdict(graphdef, params, state, drafts, cfg: mtp_jax.DecodeConfig):
+    """`rounds.verify` of `drafts` [B, j] from a loop state: (accepted [B], the target's token after them [B])."""
+    model = nnx.merge(graphdef, params)
+    round_ = Round(RoundKind.DRAFT, drafts.shape[1])
+    ctx = round_context(model, cfg, None, jnp.zeros((0,), jnp.int32), [round_])
+    judged = verify(ctx, state, drafts, None, state.cache)
+    return judged.accepted, judged.token
+
+
+@pytest.mark.slow  # compiles a tiny model's prefill, verify pass and plain decoding
+def test_verify_accepts_what_plain_decoding_emits_and_no_more():
+    """One verify pass of the trunk over [pending, d_1..d_3] from the prefilled state: each row accepts exactly the
+    drafts equal to plain decoding's next tokens, up to the first that differs, and its own token is plain
+    decoding's at that position (prompts of two lengths)."""
+    model = mtp_jax.CausalLM(tiny_config(vocab=40, eos=()), rngs=nnx.Rngs(3))
+    ids, lens = np.array([[5, 6, 7, 8], [9, 10, 11, 0], [12, 13, 0, 0]], np.int32), np.array([4, 3, 2], np.int32)
+    plain_cfg = mtp_jax.DecodeConfig(num_draft=0, max_new_tokens=6, stop_on_eos=False)
+    plain = np.asarray(mtp_jax.generate(model, ids, lens, jax.random.key(0), plain_cfg).tokens)  # [B, 6]
+    cfg = mtp_jax.DecodeConfig(num_draft=3, max_new_tokens=6, stop_on_eos=False)
+    graphdef, params = nnx.split(model)
+    state = prefilled_state(graphdef, params, ids, lens, cfg, cache_slots(ids.shape[1], cfg))
+    np.testing.assert_array_equal(np.asarray(state.pending), plain[:, 0])
+    wrong = (plain + 1) % 40
+    drafts = np.stack([
+        [plain[0, 1], plain[0, 2], wrong[0, 3]],  # two accepted
+        [wrong[1, 1], plain[1, 2], plain[1, 3]],  # none: the later agreeing drafts do not count
+        plain[2, 1:4],  # all three
+    ]).astype(np.int32)  # fmt: skip
+    accepted, token = (np.asarray(x) for x in verdict(graphdef, params, state, jnp.asarray(drafts), cfg))
+    np.testing.assert_array_equal(accepted, [2, 0, 3])
+    np.testing.assert_array_equal(token, [plain[0, 3], plain[1, 1], plain[2, 4]])
