@@ -85,6 +85,7 @@ def repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft
             return kept, tokens + verdict.token + verdict.accepted
 
         return jax.lax.fori_loop(0, iterations, verify_step, (state.cache, jnp.zeros_like(state.pending)))
+
     def draft_step(_, carry):  # the MTP layer's passes and the draft head
         mtp_cache, tokens = carry
         drafts = draft(ctx, timed, state.replace(mtp_cache=mtp_cache))

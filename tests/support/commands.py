@@ -22,9 +22,9 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
 
 def plan_in_process(*args: str) -> subprocess.CompletedProcess:
     """`python -m mtp_jax.plan ARGS` run in this process, as `run_plan` reports it (exit status, stdout, stderr):
-    no start-up of JAX and libtpu per plan, and programs compiled by earlier plans of the process are reused. What
-    the command sets for its process (the optimizations flag, the environment) is put back afterwards. Not for
-    `cpu:N` topologies: they need host devices asked for before JAX starts."""
+    no start-up of JAX and libtpu per plan. What the command sets for its process (the optimizations flag, the
+    environment) is put back afterwards. Not for `cpu:N` topologies: they need host devices asked for before JAX
+    starts."""
     from mtp_jax.cli import plan
 
     out, err = io.StringIO(), io.StringIO()
