@@ -181,20 +181,25 @@ def test_sweeps_alternate_their_order():
     assert walls == [[1.0, 6.0, 7.0], [2.0, 5.0, 8.0], [3.0, 4.0, 9.0]]  # per configuration, in sweep order
 
 
-@pytest.mark.slow
-def test_verify_part_computes_the_logits():
-    """The timed verify pass of a dense trunk (no recurrent states to keep) still computes its lm_head over the
-    block: a program that dropped it as dead code would time the trunk's layers alone."""
+def part_program(part: str, num_draft: int) -> tuple[str, int]:
+    """(HLO text of the timed `part` of a tiny model's round with `num_draft` drafts, batch 2; its vocabulary)."""
     from mtp_jax.config.decode import DecodeConfig
     from mtp_jax.decode.round_timing import prefilled_state, repeat_part
 
     model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
-    vocab = model.config.vocab_size
     ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
-    cfg = DecodeConfig(num_draft=2, max_new_tokens=8, stop_on_eos=False)
+    cfg = DecodeConfig(num_draft=num_draft, max_new_tokens=8, stop_on_eos=False)
     graphdef, params = nnx.split(model)
     state = prefilled_state(graphdef, params, ids, lens, cfg, 16)
-    hlo = repeat_part.lower(graphdef, params, state, cfg, "verify", 2, 1).compile().as_text()
+    hlo = repeat_part.lower(graphdef, params, state, cfg, part, num_draft, 1).compile().as_text()
+    return hlo, model.config.vocab_size
+
+
+@pytest.mark.slow
+def test_verify_part_computes_the_logits():
+    """The timed verify pass of a dense trunk (no recurrent states to keep) still computes its lm_head over the
+    block: a program that dropped it as dead code would time the trunk's layers alone."""
+    hlo, vocab = part_program("verify", 2)
     assert f"f32[2,3,{vocab}]" in hlo, f"no [B, j+1, V] logits in the verify part's program (V = {vocab})"
 
 
@@ -202,14 +207,5 @@ def test_verify_part_computes_the_logits():
 def test_draft_part_computes_the_drafts():
     """The timed draft part runs the whole MTP layer and the draft head: a program keeping only what the MTP cache
     needs (the layer's keys and values) would time a fraction of a round's drafting."""
-    from mtp_jax.config.decode import DecodeConfig
-    from mtp_jax.decode.round_timing import prefilled_state, repeat_part
-
-    model = mtp_jax.CausalLM(SHAPES["tiny"](), rngs=nnx.Rngs(0))
-    vocab = model.config.vocab_size
-    ids, lens = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
-    cfg = DecodeConfig(num_draft=1, max_new_tokens=8, stop_on_eos=False)
-    graphdef, params = nnx.split(model)
-    state = prefilled_state(graphdef, params, ids, lens, cfg, 16)
-    hlo = repeat_part.lower(graphdef, params, state, cfg, "draft", 1, 1).compile().as_text()
+    hlo, vocab = part_program("draft", 1)
     assert f"f32[2,{vocab}]" in hlo, f"no [B, V] draft logits in the draft part's program (V = {vocab})"
