@@ -5,19 +5,13 @@ from mtp_jax.runtime import flax_import, platforms  # noqa: F401  (first: flax w
 
 # isort: on
 from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.config.execution_plan import ExecutionPlan
 from mtp_jax.config.model import ModelConfig, MtpConfig, RopeConfig
 from mtp_jax.decode.engine import Engine, Request, Update
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.speculative import GenerateOutput, generate, generate_chunks
 from mtp_jax.decode.text import TextOutput, TextResult, generate_text
 from mtp_jax.decode.text_stream import stream_text
-from mtp_jax.kernels import (  # noqa: F401  (kernels register: ops/dispatch.py)
-    delta_rule_kernel,
-    fixed_tiles,
-    grouped_kernel,
-    routed_kernel,
-)
-from mtp_jax.kernels.cpu import cpu_attention, cpu_rows  # noqa: F401
 from mtp_jax.loading.checkpoint import load, load_model
 from mtp_jax.models.causal_lm import CausalLM, hold_for_platform, unstack_layers
 
@@ -25,6 +19,7 @@ __all__ = [
     "CausalLM",
     "DecodeConfig",
     "Engine",
+    "ExecutionPlan",
     "GenerateOutput",
     "ModelConfig",
     "MtpConfig",

@@ -1,4 +1,5 @@
-"""What a benchmark result names about where it ran: the command, the device and CPU, the versions, the date."""
+"""What a benchmark result names about where it ran: the command, the device and CPU, the execution plan, the
+versions, the date."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import platform
 
 import jax
 
+from mtp_jax.config import execution_plan
 from mtp_jax.decode.stats import describe_device
+from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.cpu import cpu_rows
+from mtp_jax.quant.int8_activations import has_int8_activations
 
 
-def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
+def metadata(args, label: str, dtype: str, notes: list[str], model) -> dict:
     def version(package: str) -> str:
         try:
             return importlib.metadata.version(package)
@@ -26,6 +30,8 @@ def metadata(args, label: str, dtype: str, notes: list[str]) -> dict:
         "device": describe_device(),
         "host": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
         "cpu_kernel": cpu_rows.level() if jax.default_backend() == "cpu" else "not used (not a CPU)",
+        "execution_plan": planned(model, args.invariant).as_dict(),
+        "execution_plan_summary": planned(model, args.invariant).summary(),
         "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
         "model": label,
         "dtype": dtype,
@@ -46,8 +52,15 @@ def header_lines(meta: dict) -> list[str]:
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}",
         f"- device: {meta['device']}; host: {meta['host']}; CPU row kernel: {meta.get('cpu_kernel', '-')}",
+        f"- execution plan: {meta.get('execution_plan_summary', '-')}",
         f"- versions: {versions}",
     ]
+
+
+def planned(model, invariant: bool) -> execution_plan.ExecutionPlan:
+    """The plan `generate` resolves for `model` here (batch-invariant where asked or where its activations are
+    rounded to int8, as it decodes such a model)."""
+    return traced_plan.resolve(model.sharding_rules, invariant or has_int8_activations(model))
 
 
 def cpu_name() -> str:

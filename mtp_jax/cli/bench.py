@@ -222,7 +222,7 @@ def run(args) -> dict:
         notes.append(f"transformers ran with the {cache} cache on {peer.device.type}")
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    meta = metadata(args, label, dtype, notes)
+    meta = metadata(args, label, dtype, notes, model)
     meta["copy_bandwidth_gb_s"] = None if bandwidth is None else bandwidth / 1e9
     return {"meta": meta, "rows": rows}
 

@@ -194,7 +194,7 @@ def run_serve(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: l
             rows.append(row)
             print(f"serve: {slots} slots, k={k}: {served['output_throughput']:.1f} output tokens/s "
                   f"({offline:.1f} offline)", file=sys.stderr, flush=True)  # fmt: skip
-    meta = metadata(args, label, dtype, notes)
+    meta = metadata(args, label, dtype, notes, model)
     meta["prompts"] = f"{len(prompts)} held-out prompts (eval_prompts.jsonl, cycled), chat completions, streamed"
     return {"meta": meta, "rows": rows}
 

@@ -74,7 +74,7 @@ def run_refill(args, model: CausalLM, tokenizer, label: str, dtype: str, notes: 
                                      invariant=args.invariant))  # fmt: skip
     rows = [row for batch in args.batch_sizes for cfg in settings for row in decode_both(model, tokenizer, prompts,
                                                                                          cfg, batch)]  # fmt: skip
-    meta = metadata(args, label, dtype, notes)
+    meta = metadata(args, label, dtype, notes, model)
     meta["prompts"] = f"{len(prompts)} held-out prompts (eval_prompts.jsonl, cycled)"
     return {"meta": meta, "rows": rows}
 

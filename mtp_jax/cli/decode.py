@@ -32,6 +32,7 @@ from mtp_jax.cli.decode_output import RowOutput, open_output
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode import default_drafting, stats
 from mtp_jax.decode.prompts import encode_prompts, read_prompt_records
+from mtp_jax.decode.speculative import checked_decode_config
 from mtp_jax.decode.text import batch_rows, check_budget, decode_batches, first_batch, row_sampling
 from mtp_jax.decode.text_stream import stream_prompt
 from mtp_jax.decode.tree import check_tree_model
@@ -165,13 +166,14 @@ def decode_rows(args, records, output: RowOutput | None, done: int, lead: bool) 
     if not prompts[done:]:
         return None
     sampling = row_sampling(decode_cfg, args.seed, [overrides for _, overrides in records])
+    plan = {"execution_plan": checked_decode_config(model, decode_cfg).plan.as_dict()}
     if lead and output.terminal and tokenizer is not None and len(prompts) - done == 1 and jax.process_count() == 1:
         result, summary = stream_prompt(model, tokenizer, prompts[done], decode_cfg, sampling, output.show)
         output.shown(result.row())
-        return {"load_seconds": load_seconds, **summary, **drafting_note(args)}
+        return {"load_seconds": load_seconds, **summary, **drafting_note(args), **plan}
     write = (lambda results: output.write([r.row() for r in results])) if lead else (lambda results: None)
     summary = decode_batches(model, tokenizer, prompts[done:], decode_cfg, batch_size, sampling, write, progress=lead)
-    return {"load_seconds": load_seconds, **summary, **drafting_note(args)}
+    return {"load_seconds": load_seconds, **summary, **drafting_note(args), **plan}
 
 
 def drafting_note(args) -> dict:

@@ -27,12 +27,13 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.decode.prompts import encode_prompts, read_prompt_file
+from mtp_jax.kernels import traced_plan
+from mtp_jax.kernels.dispatch import lone_rows_exact
 from mtp_jax.loading import checkpoint
 from mtp_jax.loading.hub import MODEL_HELP
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
 from mtp_jax.models.causal_lm import CausalLM, LayerStack
-from mtp_jax.ops import dispatch, loops
-from mtp_jax.ops.rowwise import lone_rows_exact
+from mtp_jax.ops import loops
 from mtp_jax.runtime.errors import UserError, run_cli
 
 EVAL_PROMPTS = pathlib.Path(__file__).resolve().parent.parent / "data" / "eval_prompts.jsonl"
@@ -95,7 +96,7 @@ def _prefill_and_step(model, ids, lens, next_ids, invariant: bool, slots: int):
     attention = "invariant" if invariant else default_attention(slots)
     pasts = _empty_pasts(model, batch, slots, attention)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
-    with dispatch.tracing(invariant):
+    with traced_plan.tracing(traced_plan.resolve(model.sharding_rules, invariant)):
         prefill, pasts = trace(model, ids, positions, pasts, attention)
         step, _ = trace(model, next_ids[:, None], lens[:, None], pasts, attention)
     return prefill, step

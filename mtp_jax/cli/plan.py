@@ -24,6 +24,7 @@ from mtp_jax.cli.arguments import add_tree_arguments, check_output_path, positiv
 from mtp_jax.config.model import LAYER_LAYOUTS
 from mtp_jax.decode import speculative
 from mtp_jax.families.registry import family_of
+from mtp_jax.kernels import traced_plan
 from mtp_jax.loading.hub import local_path
 from mtp_jax.models.causal_lm import preferred_layout
 from mtp_jax.parallel import sharding
@@ -35,6 +36,8 @@ from mtp_jax.runtime.errors import OneLineParser, UserError, run_cli
 from mtp_jax.runtime.files import write_atomically
 
 ASSUMED_ACCEPTANCE = (0.8, "assumed: no published per-position figure for this family")
+
+PLANNED_OPERATIONS = ("products", "attention", "small_experts", "large_experts", "delta_rule")  # in the markdown
 
 
 def float_list(text: str) -> list[float]:
@@ -225,6 +228,7 @@ def plan_mesh(args, cfg, name: str, target, spec: str, work, dump_hlo: str | Non
         "draft_vocab": cfg.mtp.draft_vocab_size if cfg.has_mtp else 0,
         "weights": args.dtype if args.weights == "auto" else args.weights,
         "layer_layout": layout,
+        "execution_plan": (work.plan or traced_plan.resolve(rules)).as_dict(),
         "compile_seconds": round(memory.pop("compile_seconds"), 1),
         "fits": memory.pop("fits"),
         "reason": memory.pop("reason", None),
@@ -297,6 +301,11 @@ def markdown(plans: list[dict]) -> str:
             number(p.get("mtp_round", {}).get("over_plain_step"), 2),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for p in plans:
+        plan = p["execution_plan"]
+        chosen = ", ".join(f"{name} {plan[name]}" for name in PLANNED_OPERATIONS)
+        lines.append(f"- {p['model']} on {p['topology']}: execution plan {chosen}")
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,7 @@ width, the question under batch-invariant decoding.
 For each weight shape and kernel, a pass over the widest width's rows is the reference; a pass over its first R rows
 is compared with it, row by row, bit for bit, for each width R. Printed as JSON: per shape and kernel, for each R,
 how many of the R rows came out with other bits. "xla": XLA's own product with float32 results (what
-`rowwise.project` asks for in the default mode); "fixed_tiles": the kernel batch-invariant decoding uses on a GPU
+`dispatch.project` asks for in the default mode); "fixed_tiles": the kernel batch-invariant decoding uses on a GPU
 (kernels/fixed_tiles.py; elsewhere it runs in Pallas' interpreter, slowly). A shape is INPUTSxOUTPUTS; a trailing "t"
 stores the weight as [OUTPUTS, INPUTS] (a tied lm_head read as the embedding). The defaults are the default model's
 projections and its tied lm_head.

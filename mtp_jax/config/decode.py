@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from mtp_jax.config.execution_plan import ExecutionPlan
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
@@ -32,6 +34,8 @@ class DecodeConfig:
       can accept, as a chain's k; `tree_depth`), and the trunk verifies the N best nodes of all it proposed in one
       pass (mtp_jax.decode.tree).
     tree_width: W, the nodes expanded at each depth (each proposes up to N children, the root too).
+    plan: which implementation each operation takes (config/execution_plan.py); None: the plan for the model's mesh
+      here, resolved by `generate` and the `Engine` before they trace, so that the plan is part of the program's key.
     """
 
     num_draft: int = 3
@@ -45,6 +49,7 @@ class DecodeConfig:
     invariant: bool = False
     tree: int = 0
     tree_width: int = 4
+    plan: ExecutionPlan | None = None
 
     def __post_init__(self):
         if self.num_draft < 0:
@@ -59,6 +64,8 @@ class DecodeConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.tree:
             self._check_tree()
+        if self.plan is not None and self.plan.invariant != self.invariant:
+            raise ValueError(f"the execution plan's invariant ({self.plan.invariant}) differs from the config's")
         if self.round_costs is not None:
             costs, k = tuple(self.round_costs), self.num_draft
             wanted = k + 1 + (1 if self.tree else 0)

@@ -32,8 +32,9 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
+from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.cpu import cpu_rows
-from mtp_jax.ops import dispatch, loops
+from mtp_jax.ops import loops
 from mtp_jax.parallel import sharding
 from mtp_jax.runtime import compile_cache
 from mtp_jax.runtime.cache_folder import cache_dir
@@ -105,7 +106,7 @@ def _environment() -> str:
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     kernel = cpu_rows.status() if jax.default_backend() == "cpu" else ""  # also registers the kernel's target
     versions = (sys.version, jax.__version__, importlib.metadata.version("jaxlib"))
-    tracing = (sharding.active_rules(), dispatch.current(), loops.unrolling())
+    tracing = (sharding.active_rules(), traced_plan.current(), loops.unrolling())
     return repr((_source_digest(), versions, devices, settings, env, kernel, tracing))
 
 

@@ -25,7 +25,9 @@ from mtp_jax.decode.adaptive import probe_cycle, step_param_bytes
 from mtp_jax.decode.loop_state import mtp_block_width
 from mtp_jax.decode.prefill import prefill
 from mtp_jax.decode.rounds import Round, RoundKind, draft, round_context, run_round, verify
+from mtp_jax.decode.speculative import tracing
 from mtp_jax.decode.tree import run_tree_round
+from mtp_jax.kernels import traced_plan
 from mtp_jax.models.kv_cache import cache_slots
 
 
@@ -36,7 +38,8 @@ def prefilled_state(graphdef, params, prompt_ids, prompt_lens, cfg: DecodeConfig
     model = nnx.merge(graphdef, params)
     row_keys = jax.random.split(jax.random.key(0), prompt_ids.shape[0])
     eos = jnp.zeros((0,), jnp.int32)
-    return prefill(model, cfg, None, eos, prompt_ids, prompt_lens, row_keys, slots)
+    with tracing(model, cfg):
+        return prefill(model, cfg, None, eos, prompt_ids, prompt_lens, row_keys, slots)
 
 
 def prefill_program(split_model, prompt_ids, prompt_lens, cfg: DecodeConfig):
@@ -61,8 +64,13 @@ def timed_round(cfg: DecodeConfig, num_draft: int) -> Round:
 def repeat_part(graphdef, params, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
     """`part` of a round with `num_draft` drafts ("round", "verify", "draft", or an adaptive loop's resting "cycle"),
     or cfg's draft tree's whole round ("tree"), run `iterations` times from `state`, carrying what it updates (the
-    state, or the trunk or MTP cache)."""
+    state, or the trunk or MTP cache), under the decode's mesh rules and execution plan."""
     model = nnx.merge(graphdef, params)
+    with tracing(model, cfg):
+        return _repeated(model, state, cfg, part, num_draft, iterations)
+
+
+def _repeated(model, state, cfg: DecodeConfig, part: str, num_draft: int, iterations: int):
     eos = jnp.zeros((0,), jnp.int32)
     timed = Round(RoundKind.TREE, cfg.num_draft, cfg.tree) if part == "tree" else timed_round(cfg, num_draft)
     ctx = round_context(model, cfg, None, eos, [timed])
@@ -105,6 +113,7 @@ class RoundTimer:
         self.ids, self.lens = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32)
         self.max_new_tokens, self.iterations, self.repeats = max_new_tokens, iterations, repeats
         self.invariant = invariant  # the numerics of the rounds timed (DecodeConfig.invariant)
+        self.plan = traced_plan.resolve(model.sharding_rules, invariant)  # as `generate` resolves it
         self._states = {}
 
     def _state(self, cfg: DecodeConfig):
@@ -120,7 +129,8 @@ class RoundTimer:
         wider MTP block; `tree`, `tree_width`: with that draft tree's); and the number of rounds the call runs:
         `iterations`, or that many cycles' rounds."""
         cfg = DecodeConfig(num_draft=max_draft, max_new_tokens=self.max_new_tokens, stop_on_eos=False,
-                           adaptive=adaptive, invariant=self.invariant, tree=tree, tree_width=tree_width)  # fmt: skip
+                           adaptive=adaptive, invariant=self.invariant, tree=tree, tree_width=tree_width,
+                           plan=self.plan)  # fmt: skip
         iterations = max(1, self.iterations // mtp_block_width(cfg)) if part == "cycle" else self.iterations
         state = self._state(cfg)
         run = functools.partial(repeat_part, self.graphdef, self.params, state, cfg, part, num_draft, iterations)

@@ -31,11 +31,11 @@ from mtp_jax.decode.prefill import prefill
 from mtp_jax.decode.rounds import Round, RoundKind, round_context, run_round
 from mtp_jax.decode.sampling import SamplingParams
 from mtp_jax.decode.tree import check_tree_model, run_tree_round
+from mtp_jax.kernels import traced_plan
+from mtp_jax.kernels.dispatch import lone_rows_exact
 from mtp_jax.models.cache_attention import two_rows
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import cache_slots, long_cache_shards
-from mtp_jax.ops import dispatch
-from mtp_jax.ops.rowwise import lone_rows_exact
 from mtp_jax.parallel.sharding import activate, constrain
 from mtp_jax.quant.int8_activations import has_int8_activations
 from mtp_jax.quant.loop_weights import prepare_for_loop
@@ -133,15 +133,15 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, key, sampling, cfg: Dec
 @contextlib.contextmanager
 def tracing(model: CausalLM, cfg: DecodeConfig) -> Iterator[None]:
     """What a decode program is traced under: the model's mesh rules (rows over `data`, heads and vocab over
-    `model`), and one Numerics for every product and attention (ops/dispatch.py: fixed tiles on a GPU where
-    batch-invariant numerics need them, the CPU kernels where they take a product)."""
-    with activate(model.sharding_rules), dispatch.tracing(cfg.invariant):
+    `model`), and the config's execution plan (config/execution_plan.py; the plan for here where it names none)."""
+    plan = cfg.plan if cfg.plan is not None else traced_plan.resolve(model.sharding_rules, cfg.invariant)
+    with activate(model.sharding_rules), traced_plan.tracing(plan):
         yield
 
 
 def _lone(model: CausalLM, cfg: DecodeConfig, batch: int) -> bool:
     """Whether a batch of `batch` rows decodes beside a twin: a single row under batch-invariant decoding, where a
-    one-row pass would get other sums than a row in a batch (`rowwise.lone_rows_exact`)."""
+    one-row pass would get other sums than a row in a batch (`dispatch.lone_rows_exact`)."""
     if not (cfg.invariant and batch == 1):
         return False
     with activate(model.sharding_rules):
@@ -189,9 +189,14 @@ def _run_chunk(graphdef, params, state: LoopState, limit, sampling, cfg, greedy:
 
 def checked_decode_config(model: CausalLM, cfg: DecodeConfig) -> DecodeConfig:
     """`cfg` as `model` decodes it (batch-invariant where its activations are rounded to int8: see
-    DecodeConfig.invariant); settings the model cannot decode with raise ValueError."""
+    DecodeConfig.invariant), with its execution plan (resolved for the model's mesh here where it names none);
+    settings the model cannot decode with raise ValueError."""
     if not cfg.invariant and has_int8_activations(model):
+        if cfg.plan is not None and not cfg.plan.invariant:
+            raise ValueError("this model decodes batch-invariantly (int8 activations): its plan must be invariant")
         cfg = dataclasses.replace(cfg, invariant=True)
+    if cfg.plan is None:
+        cfg = dataclasses.replace(cfg, plan=traced_plan.resolve(model.sharding_rules, cfg.invariant))
     if cfg.num_draft > 0 and not model.config.has_mtp:
         raise ValueError("num_draft > 0 needs a model with an MTP head; use num_draft=0 for plain decoding")
     if cfg.tree:

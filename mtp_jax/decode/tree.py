@@ -37,14 +37,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mtp_jax.config import execution_plan
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import LoopState, round_keys
 from mtp_jax.decode.rounds import Drafts, Round, RoundContext, Verdict, catch_up, commit, record
 from mtp_jax.decode.sampling import probabilities, sample
+from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree, ancestry
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import GroupCache, move_slots
-from mtp_jax.ops import dispatch
 
 
 def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
@@ -65,7 +66,8 @@ def check_tree_model(model: CausalLM, cfg: DecodeConfig) -> None:
             "draft trees do not run under batch-invariant decoding with latent attention (its batch-invariant form "
             "takes no tree mask): decode with a chain"
         )
-    if cfg.invariant and not dispatch.invariant_trees_here():
+    plan = cfg.plan if cfg.plan is not None else traced_plan.resolve(model.sharding_rules, True)
+    if cfg.invariant and not execution_plan.invariant_trees(plan):
         raise ValueError(
             "draft trees run under batch-invariant decoding (DecodeConfig.invariant, implied by 4-bit weights with "
             "int8 activations) only on one CPU device with the row kernel built (its attention takes the tree's "

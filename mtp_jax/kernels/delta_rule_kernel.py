@@ -33,10 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mtp_jax.ops import dispatch
+from mtp_jax.kernels import traced_plan
 from mtp_jax.parallel import sharding
 
-NAME = "delta_rule_pallas"
 KERNEL_NAME = "mtp_jax_delta_rule"  # in the compiled program's custom call
 LANES = 128
 STATE_BLOCK_BYTES = 2 * 2**20  # a grid step's states at most (each is fetched and written back double-buffered)
@@ -179,18 +178,9 @@ def fits(k: jax.Array, state: jax.Array) -> bool:
     return h % LANES == 0 and y % LANES == 0 and k.shape[-1] == h
 
 
-def _accepts(numerics: dispatch.Numerics, k, state) -> bool:
-    return numerics.platform != "tpu" or fits(k, state)  # elsewhere only where a test made it available
-
-
-def _run(q, k, v, g, beta, state, steps, final, parents=None) -> tuple[jax.Array | None, jax.Array | None]:
-    interpret = dispatch.current().platform != "tpu"  # a test's CPU, where the kernel was made available
+def run(q, k, v, g, beta, state, steps, final, parents=None) -> tuple[jax.Array | None, jax.Array | None]:
+    """The delta rule by `delta_rule_kernel` (Pallas' interpreter off a TPU: a test's plan), split over a mesh's
+    heads."""
+    interpret = traced_plan.current().platform != "tpu"
     steps = jnp.full(k.shape[:1], k.shape[1], jnp.int32) if steps is None else steps.astype(jnp.int32)
     return _sharded(q, k, v, g, beta, state, steps, parents, final, interpret)
-
-
-dispatch.register_kernel(
-    NAME,
-    lambda platform: platform == "tpu",
-    delta_rule=dispatch.Implementation(NAME, _accepts, _run),
-)

@@ -21,9 +21,10 @@ int8). No dequantized copy of the weight is made. (On an H100, at decode's row c
 weights more slowly than XLA's own product does (measured: docs/benchmarks.md#h100), so outside the invariant mode
 quantized weights keep XLA's.)
 
-It registers with ops/dispatch.py for every product of a batch-invariant decode traced for one device of
-PLATFORMS (a custom kernel is not split by XLA's partitioner). `TILES` was chosen on the H100 among seven tilings,
-by the quantized products' time (measured: docs/benchmarks.md#h100, which links the log's table of tilings).
+An execution plan takes it (`Products.FIXED_TILES`, config/execution_plan.py) for every product of a batch-invariant
+decode on one device of PLATFORMS (a custom kernel is not split by XLA's partitioner). `TILES` was chosen on the
+H100 among seven tilings, by the quantized products' time (measured: docs/benchmarks.md#h100, which links the
+log's table of tilings).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from mtp_jax.ops import dispatch, matmul_layout
+from mtp_jax.ops import matmul_layout
 from mtp_jax.ops.rowwise import rows_as_read
 from mtp_jax.ops.stacked_weights import layer_value
 from mtp_jax.parallel.sharding import active_platform
@@ -60,15 +61,8 @@ TILES = Tiles(rows=16, cols=64, depth=128, warps=4, stages=3)
 PLATFORMS = ("gpu",)  # where batch-invariant decoding uses these kernels
 
 
-KERNEL = "fixed_tiles"
-
-
-def _accepts(numerics: dispatch.Numerics, equation: str, x: jax.Array, weight) -> bool:
-    """Every product of a batch-invariant decode traced for one device of PLATFORMS."""
-    return numerics.invariant and numerics.has(KERNEL)
-
-
-def _run(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
+def run_product(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
+    """A projection in fixed tiles (a weight stored quantized read as stored)."""
     weight = layer_value(weight)  # a quantized weight read as stored
     return einsum(equation, rows_as_read(equation, x, weight), weight).astype(out_dtype)
 
@@ -157,8 +151,3 @@ def _tile_kernel(a_ref, b_ref, s_ref, out_ref, *, k_size: int, n_size: int, tran
     if blocks == 1:
         acc = acc * scale(0)
     plgpu.store(out_ref, acc, mask=col_ok[None, :])
-
-
-dispatch.register_kernel(  # first: where batch-invariant decoding needs the tiles, no other kernel may take over
-    KERNEL, lambda platform: platform in PLATFORMS, products=dispatch.Implementation(KERNEL, _accepts, _run), order=-1
-)

@@ -31,14 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mtp_jax.kernels import routed_kernel
-from mtp_jax.ops import dispatch
+from mtp_jax.kernels import routed_kernel, traced_plan
 
 KERNEL_NAME = routed_kernel.KERNEL_NAME + "_grouped"  # hlo_traffic counts its stack reads as the routed kernel's
 ROW_TILE = 128  # sorted (row, pick) pairs an item takes
 VMEM_BUDGET = 56 * 2**20  # the call's VMEM at most: rows, output, weight tiles and an item's temporaries
 WEIGHT_TILE_BYTES = 16 * 2**20  # of it, the weight tiles (double-buffered)
-NAME = "routed_experts_grouped_pallas"
 
 
 class WorkItems:
@@ -168,19 +166,7 @@ def grouped_experts_kernel(
     return out[:rows]
 
 
-def _accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool, small: bool) -> bool:
-    return manual and not small and not numerics.invariant and kernel_fits(x, gate, up, down)
-
-
-def _run(x, weights, ids, layer, gate, up, down) -> jax.Array:
-    interpret = dispatch.current().platform != "tpu"  # a test's CPU, where the kernel was made available
+def run(x, weights, ids, layer, gate, up, down) -> jax.Array:
+    """`grouped_experts_kernel` (Pallas' interpreter off a TPU: a test's plan)."""
+    interpret = traced_plan.current().platform != "tpu"
     return grouped_experts_kernel(x, weights, ids, layer, gate, up, down, interpret=interpret)
-
-
-dispatch.register_kernel(
-    NAME,
-    lambda platform: platform == "tpu",
-    experts=dispatch.Implementation(NAME, _accepts, _run),
-    reads_expert_stacks=True,
-    order=0,
-)

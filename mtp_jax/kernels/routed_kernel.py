@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mtp_jax.ops import dispatch
+from mtp_jax.kernels import traced_plan
 from mtp_jax.ops.routing import routing_mix
 from mtp_jax.quant.quantized_array import QuantizedArray, dense
 
@@ -248,38 +248,17 @@ def gathered_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, layer: ja
     return jnp.einsum("MUF,UFD->MD", mixed, dn, preferred_element_type=f32)
 
 
-PALLAS = "routed_experts_pallas"
-GATHER = "routed_experts_gather"
 GATHER_COPY_FACTOR = 3  # the gathered form reads the used experts, writes their copy and reads it again
 
 
-def _pallas_accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool, small: bool) -> bool:
-    return manual and small and not numerics.invariant and kernel_tile(gate, up, down) is not None
-
-
-def _pallas_run(x, weights, ids, layer, gate, up, down) -> jax.Array:
-    interpret = dispatch.current().platform != "tpu"  # a test's CPU, where the kernel was made available
+def pallas_run(x, weights, ids, layer, gate, up, down) -> jax.Array:
+    """`routed_experts_kernel` (Pallas' interpreter off a TPU: a test's plan)."""
+    interpret = traced_plan.current().platform != "tpu"
     return routed_experts_kernel(x, weights, ids, layer, gate, up, down, interpret=interpret)
 
 
-def _gather_accepts(numerics: dispatch.Numerics, x, ids, gate, up, down, manual: bool, small: bool) -> bool:
-    """A small pass, where the copy of the used experts costs less than reading every expert: U slots x
+def gather_pays(x, ids, gate) -> bool:
+    """Whether copying a small pass's used experts costs less than reading every expert: U slots x
     GATHER_COPY_FACTOR < E."""
     local = gate.shape[1]
-    return small and not numerics.invariant and GATHER_COPY_FACTOR * slots_for(x.shape[0], ids.shape[1], local) < local
-
-
-dispatch.register_kernel(
-    PALLAS,
-    lambda platform: platform == "tpu",
-    experts=dispatch.Implementation(PALLAS, _pallas_accepts, _pallas_run),
-    reads_expert_stacks=True,
-    order=0,
-)
-dispatch.register_kernel(
-    GATHER,
-    lambda platform: platform in ("cpu", "gpu"),
-    experts=dispatch.Implementation(GATHER, _gather_accepts, gathered_experts),
-    reads_expert_stacks=True,  # gathers the used experts straight out of the whole stack, not out of a layer's copy
-    order=1,
-)
+    return GATHER_COPY_FACTOR * slots_for(x.shape[0], ids.shape[1], local) < local

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from mtp_jax.kernels.dispatch import attention_implementation, attention_rows_exact, product, row_product
 from mtp_jax.ops import loops
-from mtp_jax.ops.dispatch import attention_implementation
-from mtp_jax.ops.rowwise import attention_rows_exact, product, row_product, row_sum
+from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.parallel.sharding import CACHE, HEADS, constrain, constrain_beside_slots, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
@@ -179,8 +179,8 @@ def grouped_attention(
     (`attend_written_cache`), which needs a cache of whole chunks on every shard and takes no block mask. On a CPU
     with the row kernel, a decode step or verify block (at most `cpu_attention.DECODE_POSITIONS` positions a row,
     a draft tree's with its mask) outside batch-invariant decoding is one kernel call (kernels/cpu/cpu_attention.py,
-    through ops/dispatch.py); so is every pass under it, a draft tree's too (elsewhere batch-invariant decoding takes
-    no tree)."""
+    through kernels/dispatch.py); so is every pass under it, a draft tree's too (elsewhere batch-invariant decoding
+    takes no tree)."""
     shards = slot_shards(CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     xla_form = lambda: _grouped_attention(
         q, k, v, positions, past_k, past_v, visible_from, attention, shards, block_mask
@@ -190,7 +190,7 @@ def grouped_attention(
     if kernel is not None:
         b, t, n, h = q.shape
         queries = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
-        fused = lambda: kernel.run(queries, k, v, positions, past_k, past_v, visible_from, block_mask).astype(q.dtype)
+        fused = lambda: kernel(queries, k, v, positions, past_k, past_v, visible_from, block_mask).astype(q.dtype)
         return jax.lax.platform_dependent(cpu=lambda: fused().reshape(b, t, n, h), default=xla_form)
     return xla_form()
 
@@ -210,7 +210,7 @@ def _grouped_attention(
         q_rows = jnp.tile(q, (shards, 1, 1, 1, 1))  # [M * B, T, K, G, H]: each row's queries beside each shard
         run_starts = whole_chunk_runs(slots, shards) if invariant else None
         entries = (k.astype(past_k.dtype), v.astype(past_v.dtype))  # as the cache will hold them
-        exact_rows = invariant and attention_rows_exact(q.dtype)  # no twin for a lone row (rowwise.row_product)
+        exact_rows = invariant and attention_rows_exact(q.dtype)  # no twin for a lone row (dispatch.row_product)
         widen = two_rows if invariant and not exact_rows and q_rows.shape[0] == 1 else lambda x: x
         multiply = row_product if exact_rows else product
 
@@ -231,7 +231,7 @@ def _grouped_attention(
                                                    *q.shape[2:4], t), (rows[0].shape[0], *q.shape[1:]))[:b]  # fmt: skip
             kernel = attention_implementation(q, past_k, shards, whole_pass=True)
             if kernel is not None:  # one kernel call (kernels/cpu/cpu_attention.py)
-                fused = lambda: kernel.run(q, k, v, positions, past_k, past_v, visible_from, block_mask)
+                fused = lambda: kernel(q, k, v, positions, past_k, past_v, visible_from, block_mask)
                 out = fused() if block_mask is not None else jax.lax.platform_dependent(cpu=fused, default=written)
             elif block_mask is not None:
                 raise ValueError(
@@ -262,7 +262,7 @@ def _grouped_attention(
 
 def two_rows(x: jax.Array) -> jax.Array:
     """x [1, ...] as [2, ...] (the row twice). Where the CPU row kernel does not take attention's products
-    (`rowwise.attention_rows_exact`), the batch-invariant form attends a lone row beside a copy of itself: XLA:CPU
+    (`dispatch.attention_rows_exact`), the batch-invariant form attends a lone row beside a copy of itself: XLA:CPU
     drops a batch axis of size 1 and then emits the attention products with other sums (measured: one row alone
     differed from the same row in batches of 2, 3 and 4, which all agreed)."""
     return jnp.concatenate([x, x])

@@ -17,14 +17,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config.model import LAYER_LAYOUTS, LayerKind, ModelConfig, Segment
+from mtp_jax.kernels import traced_plan
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import layer_entries
 from mtp_jax.models.hybrid_stack import GroupStack
 from mtp_jax.models.kv_cache import GroupCache, attention_cache, write_slots
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
-from mtp_jax.ops import dispatch, loops
-from mtp_jax.ops.rowwise import project
+from mtp_jax.ops import loops
 from mtp_jax.ops.stacked_weights import layer_parameters, split_stack, stack_split_of
 from mtp_jax.parallel.sharding import DRAFT_HEAD, HIDDEN, LOGITS, constrain, param_layouts
 from mtp_jax.quant.fp8 import hold_float8_as_bits
@@ -104,7 +105,7 @@ class LayerStack(nnx.Module):
             (x, outputs), new = loops.each_layer(run, start, list(self.layers))
         else:
             graphdef, stacked = nnx.split(self.layers)  # every leaf of `stacked` has a leading L axis
-            keep, experts_only = stack_split_of(dispatch.current())
+            keep, experts_only = stack_split_of(traced_plan.current())
             whole, sliced = split_stack(stacked, experts_only) if keep else (None, stacked)
             step = lambda carry, inputs: run(nnx.merge(graphdef, layer_parameters(whole, *inputs)), carry, inputs[1])
             (x, outputs), new = loops.scan(step, start, (sliced, jnp.arange(self.num_layers)))  # new: [L, B, T, ...]

@@ -16,9 +16,9 @@ import jax
 from flax import nnx
 
 from mtp_jax.config.model import ModelConfig
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.models.cache_attention import grouped_attention
 from mtp_jax.models.layers import Attention, apply_rope
-from mtp_jax.ops.rowwise import project
 
 
 class GatedAttention(Attention):

@@ -29,11 +29,13 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mtp_jax.config.model import GatedDeltaNetConfig
+from mtp_jax.kernels import dispatch
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.layers import init_weight
 from mtp_jax.models.norms import GatedRMSNorm
-from mtp_jax.ops import dispatch, loops
-from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.ops import loops
+from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.parallel.sharding import DELTANET_BLOCK_INPUTS, HEAD_SCALARS, HEADS, constrain
 from mtp_jax.quant.matmul_axes import MatmulAxes
 
@@ -133,11 +135,11 @@ def recurrent_delta_rule(
 ) -> tuple[jax.Array | None, jax.Array | None]:
     """Token by token: (outputs [B, T, N, Y], None without q; the state after each row's tokens [B, N, H, Y], None
     without `final`). A token a row takes is computed as in a block without `steps`, so a replay over a row's
-    accepted tokens gives the state plain steps give. A registered kernel runs it where one accepts
+    accepted tokens gives the state plain steps give. The kernel runs it where the execution plan says
     (kernels/delta_rule_kernel.py: TPU); XLA's scan elsewhere."""
     kernel = dispatch.delta_rule_implementation(k, state)
     if kernel is not None:
-        return kernel.run(q, k, v, g, beta, state, steps, final)
+        return kernel(q, k, v, g, beta, state, steps, final)
 
     def step(s, token):
         index, q_t, k_t, v_t, g_t, beta_t = token  # [], [B, N, H], [B, N, H], [B, N, Y], [B, N], [B, N]
@@ -157,11 +159,11 @@ def tree_delta_rule(q, k, v, g, beta, state: jax.Array, tree: BlockTree) -> jax.
     """Outputs [B, T, N, Y] over a draft tree's block (inputs [B, T, ...] as `recurrent_delta_rule` takes them, state
     [B, N, H, Y] before the block): each entry's with the state a chain over its path from the root reaches, every
     entry's path replayed at once as the rows of one recurrence (D+1 steps at most; a state per entry in flight,
-    none kept: `VerifiedBlock.along` gives the accepted path's inputs to `kept`). A registered kernel computes each
+    none kept: `VerifiedBlock.along` gives the accepted path's inputs to `kept`). The plan's kernel computes each
     entry once from its parent's state (kernels/delta_rule_kernel.py: TPU)."""
     kernel = dispatch.delta_rule_implementation(k, state)
     if kernel is not None:
-        return kernel.run(q, k, v, g, beta, state, None, False, tree.parents)[0]
+        return kernel(q, k, v, g, beta, state, None, False, tree.parents)[0]
     b, t = k.shape[:2]
     steps = tree.depth + 1
     rows = lambda a: tree.along_paths(a).reshape(b * t, steps, *a.shape[2:])  # [B*T, D+1, ...]

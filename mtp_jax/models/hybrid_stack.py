@@ -17,12 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config.model import LayerKind, ModelConfig
+from mtp_jax.kernels import traced_plan
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
 from mtp_jax.models.cache_attention import checked_attention, layer_entries
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
 from mtp_jax.models.kv_cache import GroupCache, KVCache, TreeEntries, deltanet_states, write_slots
 from mtp_jax.models.layers import DecoderLayer, model_norm
-from mtp_jax.ops import dispatch, loops
+from mtp_jax.ops import loops
 from mtp_jax.ops.stacked_weights import layer_parameters, split_stack, stack_split_of
 from mtp_jax.parallel.sharding import HIDDEN, constrain
 
@@ -146,7 +147,7 @@ class GroupStack(nnx.Module):
             split = [nnx.split(member) for member in self.members]  # each leaf [R, ...]
             graphdefs, stacked = [g for g, _ in split], tuple(p for _, p in split)
             merged = lambda params: tuple(nnx.merge(g, p) for g, p in zip(graphdefs, params, strict=True))
-            keep, experts_only = stack_split_of(dispatch.current())
+            keep, experts_only = stack_split_of(traced_plan.current())
             whole, sliced = split_stack(stacked, experts_only) if keep else (None, stacked)
             step = lambda x, inputs: run(merged(layer_parameters(whole, inputs[0], inputs[2])), x, *inputs[1:])
             x, new = loops.scan(step, x, (sliced, states, jnp.arange(self.repeats)))

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config.model import ModelConfig, RopeConfig
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.models.cache_attention import grouped_attention
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
-from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.parallel.sharding import HIDDEN, constrain
 from mtp_jax.quant.matmul_axes import MatmulAxes
 

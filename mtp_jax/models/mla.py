@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config.model import ModelConfig, RopeConfig
+from mtp_jax.kernels.dispatch import attention_rows_exact, float32_product, product, project, row_product
 from mtp_jax.models.cache_attention import (
     ATTENTION_CHUNK,
     LayerSlots,
@@ -37,7 +38,6 @@ from mtp_jax.models.cache_attention import (
     with_block,
 )
 from mtp_jax.models.layers import RMSNorm, apply_rope, init_weight
-from mtp_jax.ops.rowwise import attention_rows_exact, float32_product, product, project, row_product
 from mtp_jax.ops.stacked_weights import layer_value
 from mtp_jax.parallel.sharding import (
     HEADS,
@@ -244,7 +244,7 @@ class MultiHeadLatentAttention(nnx.Module):
             query = constrain_beside_slots(query, LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
         query_rows = jnp.tile(query, (shards, 1, 1, 1))  # [M * B, T, N, C]
         run_starts, entries = whole_chunk_runs(slots, shards), block.astype(past.dtype)  # as the cache will hold it
-        exact_rows = attention_rows_exact(dtype)  # no twin for a lone row (rowwise.row_product)
+        exact_rows = attention_rows_exact(dtype)  # no twin for a lone row (dispatch.row_product)
         widen = two_rows if not exact_rows and query_rows.shape[0] == 1 else lambda x: x
         scores_of, output_of = (row_product, row_product) if exact_rows else (product, float32_product)
         query_rows = widen(query_rows)

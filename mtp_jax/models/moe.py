@@ -5,7 +5,7 @@ in the `topk_groups` best groups compete (a group scores the sum of its two best
 run only on the rows routed to them: the (token, pick) rows are sorted by expert and each projection is one grouped
 matmul (`jax.lax.ragged_dot`, group sizes = rows per expert); the outputs are put back in token order and summed
 with their routing weights. A small pass (a decode step or a verify block, at most DENSE_EXPERT_ROWS rows) reads
-only the experts its rows use where the kernel dispatch has a form for it (kernels/routed_kernel.py: on a TPU a
+only the experts its rows use where the execution plan has a form for it (kernels/routed_kernel.py: on a TPU a
 Pallas kernel reading each used expert where it lies in the layer stack, elsewhere XLA's gather of the used
 experts where that copy costs less than reading them all); otherwise it runs every expert on every row and weights
 each output by the row's routing (zero for experts it did not pick): plain dots that read a stacked layer's weights
@@ -35,10 +35,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from mtp_jax.config.model import ModelConfig
+from mtp_jax.kernels import dispatch, traced_plan
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.models.layers import SwiGLU, init_weight
-from mtp_jax.ops import dispatch
 from mtp_jax.ops.routing import routing_mix
-from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.ops.stacked_weights import EXPERT_STACKS, StackedWeight, layer_value
 from mtp_jax.parallel import sharding
 from mtp_jax.quant.matmul_axes import MatmulAxes
@@ -85,7 +86,7 @@ def routed_experts(
     stacks, layer = _as_stacks((gate, up, down))
     routed = None if invariant else dispatch.experts_implementation(x, ids, *stacks, manual, small)
     if routed is not None:
-        return routed.run(x, weights, ids, layer, *stacks)
+        return routed(x, weights, ids, layer, *stacks)
     gate, up, down = (layer_value(w) for w in (gate, up, down))
     if small:
         return _every_expert(x, weights, ids, gate, up, down)
@@ -239,7 +240,7 @@ class MoE(nnx.Module):
         `invariant`: the batch-invariant form (`routed_experts`)."""
         # quantized weights as stored; a StackedWeight where the layer scan kept the expert stacks whole
         params = tuple(getattr(self, name).get_value() for name in EXPERT_WEIGHTS)
-        if not dispatch.current().reads_expert_stacks_in_place:
+        if not traced_plan.current().reads_expert_stacks_in_place:
             params = tuple(layer_value(w) for w in params)
         rules = sharding.active_rules()
         layers = tuple(w.layer_shapes() if isinstance(w, StackedWeight) else w for w in params)
@@ -247,7 +248,7 @@ class MoE(nnx.Module):
         if plan is None:
             d, o = x.shape[-1], experts.shape[-1]
             flat = (x.reshape(-1, d), weights.reshape(-1, o), experts.reshape(-1, o))
-            out = routed_experts(*flat, *params, invariant=invariant, manual=dispatch.current().one_device)
+            out = routed_experts(*flat, *params, invariant=invariant, manual=traced_plan.current().one_device)
             return out.astype(x.dtype).reshape(x.shape)
         rows, specs, expert_axes, split = plan
 

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config.model import ModelConfig
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.models.layers import SwiGLU, init_weight
 from mtp_jax.models.moe import MoE, expert_param
-from mtp_jax.ops.rowwise import project, row_sum
+from mtp_jax.ops.rowwise import row_sum
 
 
 class GatedSharedExpert(nnx.Module):

@@ -5,7 +5,7 @@ call (the CPU row kernel of kernels/cpu/cpu_rows.py) XLA cannot pass a slice at 
 layer's weights out of the stack, every layer of every step, a cost that grows with the layers' size (measured:
 docs/benchmarks-log.md#layers-read-in-place-from-their-stacks-prefills-through-dequantized-weights-cpu). Where the
 kernel will read the weights, a scan instead keeps the matmul weights whole (loop-invariant operands) and hands its
-layers a `StackedWeight`: the stack and the layer's index. `rowwise.project` gives both to the kernel, which starts
+layers a `StackedWeight`: the stack and the layer's index. `dispatch.project` gives both to the kernel, which starts
 its read at that layer; every other reader takes the layer's slice (`take`), the same values the scan would have
 sliced. A kernel that reads only a layer's routed experts in place (kernels/routed_kernel.py) has only those kept
 whole.
@@ -86,12 +86,12 @@ def split_stack(stacked, experts_only: bool = False):
     return whole, rest
 
 
-def stack_split_of(numerics) -> tuple[bool, bool]:
-    """(whether a layer scan keeps weights whole, whether only the routed experts') under `numerics`
-    (ops/dispatch.py)."""
-    if numerics.reads_stacks_in_place:
+def stack_split_of(plan) -> tuple[bool, bool]:
+    """(whether a layer scan keeps weights whole, whether only the routed experts') under execution `plan`
+    (config/execution_plan.py)."""
+    if plan.reads_stacks_in_place:
         return True, False
-    return numerics.reads_expert_stacks_in_place, True
+    return plan.reads_expert_stacks_in_place, True
 
 
 def layer_parameters(whole, sliced, layer: jax.Array):

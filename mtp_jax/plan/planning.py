@@ -28,6 +28,7 @@ from flax import nnx
 from jax.experimental.layout import Format, Layout
 
 from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.config.execution_plan import ExecutionPlan
 from mtp_jax.config.model import ModelConfig
 from mtp_jax.decode import speculative
 from mtp_jax.decode.sampling import SamplingParams
@@ -52,13 +53,16 @@ class Workload:
     num_draft: int = 3
     tree: int = 0  # a draft tree's node budget (num_draft its depth); 0: chains
     tree_width: int = 4
+    plan: ExecutionPlan | None = None  # None: the plan `generate` resolves for the model's mesh
 
     def decode_config(self, num_draft: int | None = None) -> DecodeConfig:
         """Rounds of k = num_draft drafts (default the workload's), drafted as a tree when the workload's is one
         (k > 0); k = 0: plain steps."""
         k = self.num_draft if num_draft is None else num_draft
         tree = self.tree if k else 0
-        return DecodeConfig(num_draft=k, max_new_tokens=self.max_new_tokens, tree=tree, tree_width=self.tree_width)
+        return DecodeConfig(
+            num_draft=k, max_new_tokens=self.max_new_tokens, tree=tree, tree_width=self.tree_width, plan=self.plan
+        )
 
 
 @dataclasses.dataclass

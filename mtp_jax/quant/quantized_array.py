@@ -5,7 +5,7 @@ Decode reads every weight once per step, so its speed is the bytes it reads. A q
 `QuantizedArray`: `values` in the weight's own shape (int8, float8_e4m3fn, or 4-bit values packed two to a byte)
 and `scales` with one axis per weight axis, each of size 1 (one scale along the whole axis), the axis's size (a scale
 per element) or a divisor of it (a scale per block of consecutive elements), plus `mins` for 4-bit blocks. It sits in
-the weight's `nnx.Param`. The model's projections pass the stored value to `rowwise.project`, which multiplies by
+the weight's `nnx.Param`. The model's projections pass the stored value to `dispatch.project`, which multiplies by
 the stored values (`blocked_product.quantized_einsum`, or a kernel that reads the format in place): no dequantized
 copy of the weight is formed. Reading the parameter (`param[...]`) gives `values * scales` (blocks expanded) in the
 model's dtype, for the few places that need the weight itself (latent attention's absorbed kv_b, a prefill's grouped

@@ -13,6 +13,7 @@ import mtp_jax
 from mtp_jax.cli.bench import main as bench_main
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode.round_timing import RoundTimer
+from mtp_jax.kernels import traced_plan
 from mtp_jax.plan.shapes import SHAPES
 from tests.support.hybrid_models import predictable_hybrid_model
 
@@ -39,6 +40,7 @@ def test_bench_random_shape(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["meta"]["model"] == "random weights, shape tiny" and result["meta"]["command"].endswith(str(out))
+    assert result["meta"]["execution_plan"] == traced_plan.resolve().as_dict()
     rows = result["rows"]
     assert [(r["impl"], r["batch"], r["k"]) for r in rows] == [
         ("mtp_jax", 2, 0), ("mtp_jax", 2, 2), ("mtp_jax adaptive", 2, 2), ("mtp_jax tree N=4 W=2", 2, 2),
@@ -103,7 +105,8 @@ def test_bench_peer_on_hf_folder(tmp_path, capsys):
     ]  # fmt: skip
     check_rows(rows, 8)
     assert all(r["same_tokens"] for r in rows if r["impl"] == "transformers" or r["k"])  # same greedy tokens
-    assert "transformers (" in (tmp_path / "b.md").read_text()
+    markdown = (tmp_path / "b.md").read_text()
+    assert "transformers (" in markdown and f"- execution plan: {traced_plan.resolve().summary()}" in markdown
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,15 @@ import mtp_jax
 from mtp_jax.cli import decode as decode_cli
 from mtp_jax.cli.decode import main as decode_main
 from mtp_jax.cli.decode_output import ROW_SETTINGS, RowOutput, terminal_text
+from mtp_jax.config import execution_plan
 from mtp_jax.conversion.export import save_hf_folder
+from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.cpu import cpu_rows
-from mtp_jax.ops import dispatch
 from mtp_jax.runtime.cache_folder import CACHE_ENV
 from tests.support.tiny_models import tiny_config
 
 STATS_FIELDS = {
+    "execution_plan",
     "num_draft",
     "tree",
     "mean_accepted_depth",
@@ -85,6 +87,7 @@ def test_jsonl_output_stats_and_mtp_equals_plain(checkpoints, capsys, tmp_path):
     assert mtp_rows[1]["prompt"] == [11]
     stats = json.loads((tmp_path / "s.json").read_text())
     assert set(stats) == STATS_FIELDS
+    assert stats["execution_plan"] == traced_plan.resolve().as_dict()  # float32, no mesh: the plan for this CPU
     assert stats["num_draft"] == 3 and len(stats["acceptance_per_position"]) == 3
     assert stats["generated_tokens"] == sum(r["num_tokens"] for r in mtp_rows)
     assert 1.0 <= stats["mean_accepted_length"] <= 4.0
@@ -201,10 +204,10 @@ def test_a_tree_under_invariance_without_the_attention_kernel_is_one_line(checkp
     path = tmp_path / "p.jsonl"
     path.write_text('{"token_ids": [5, 6]}\n')
     settings = ["--tree", "8", "--invariant", "--max-new-tokens", "8", "--prompts-file", path]
-    if dispatch.invariant_trees_here():
+    if execution_plan.invariant_trees(traced_plan.resolve(invariant=True)):
         code, out, err = decode(capsys, "--model", checkpoints / "with_head", *settings, "--out", tmp_path / "a.jsonl")
         assert code == 0, err
-    monkeypatch.setattr(dispatch, "invariant_trees_here", lambda: False)
+    monkeypatch.setattr(execution_plan, "invariant_trees", lambda plan: False)
     code, out, err = decode(capsys, "--model", checkpoints / "with_head", *settings, "--out", tmp_path / "b.jsonl")
     assert code == 1 and "batch-invariant" in err and len(err.strip().splitlines()) == 1, err
     assert out == "" and not (tmp_path / "b.jsonl").exists()

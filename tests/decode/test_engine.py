@@ -14,7 +14,7 @@ import mtp_jax
 from mtp_jax.decode import memory
 from mtp_jax.decode.engine import Engine, Request
 from mtp_jax.decode.prefill import PromptPart, prefill, prefill_part
-from mtp_jax.ops import dispatch
+from mtp_jax.kernels import traced_plan
 from mtp_jax.runtime import compile_cache
 from tests.support.hybrid_models import predictable_hybrid_model
 from tests.support.prompts import padded_prompts
@@ -113,12 +113,12 @@ def test_a_prompt_prefilled_in_chunks_holds_the_caches_of_one_prefill(family):
     slots, form = 256, "invariant"
 
     def whole():
-        with dispatch.tracing(True):
+        with traced_plan.tracing(traced_plan.resolve(invariant=True)):
             return prefill(model, cfg, None, jnp.zeros((0,), jnp.int32), ids, jnp.full((2,), 11), keys, slots,
                            attention=form)  # fmt: skip
 
     def chunked():
-        with dispatch.tracing(True):
+        with traced_plan.tracing(traced_plan.resolve(invariant=True)):
             part = PromptPart.empty(model, cfg, 2, slots, form)
             for start in (0, 4):
                 part = prefill_part(model, cfg, ids[:, start : start + 4], ids[:, start + 4], part)

@@ -12,10 +12,11 @@ import pytest
 from flax import nnx
 
 import mtp_jax
+from mtp_jax.config import execution_plan
+from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.gated_deltanet import DeltaNetState
 from mtp_jax.models.kv_cache import GroupCache
-from mtp_jax.ops import dispatch
 from tests.support.hybrid_models import predictable_hybrid_model
 from tests.support.prompts import padded_prompts
 
@@ -75,7 +76,10 @@ def test_greedy_tree_equals_plain_greedy(model, plain, depth, budget, width):
     assert out.stats.accepted_at[-1] < out.stats.accepted_at[0]  # and paths ended short of the tree's depth
 
 
-@pytest.mark.skipif(not dispatch.invariant_trees_here(), reason="batch-invariant trees need the CPU row kernel")
+@pytest.mark.skipif(
+    not execution_plan.invariant_trees(traced_plan.resolve(invariant=True)),
+    reason="batch-invariant trees need the CPU row kernel",
+)
 def test_bfloat16_trees_under_batch_invariant_decoding_give_plain_tokens_at_any_batch(model):
     """bfloat16, batch-invariant: a tree's nodes (each DeltaNet state a chain's over its path, the attention layers
     through the CPU kernel's tree mask) give plain decoding's tokens, for the batch and for rows decoded alone."""

@@ -14,14 +14,15 @@ import pytest
 from flax import nnx
 
 import mtp_jax
+from mtp_jax.config import execution_plan
 from mtp_jax.decode import speculative
 from mtp_jax.decode.prefill import prefill
 from mtp_jax.decode.rounds import Round, RoundKind, draft, round_context
 from mtp_jax.decode.tree import accepted_path, draft_tree
 from mtp_jax.families.registry import model_config_from_hf, tiny_configs
+from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.kv_cache import cache_slots
-from mtp_jax.ops import dispatch
 from tests.support.prompts import MIXED_LENS as PROMPT_LENS
 from tests.support.prompts import MIXED_PROMPTS as PROMPTS
 from tests.support.tiny_models import predictable_model, predictable_moe_model
@@ -153,7 +154,7 @@ def test_latent_attention_with_experts_accepts_deep_paths():
 def _state_after_rounds(graphdef, params, ids, lens, cfg, rounds: int):
     """The loop state after the prefill and `rounds` rounds, as `generate` runs them (greedy)."""
     model = nnx.merge(graphdef, params)
-    with dispatch.tracing(cfg.invariant):
+    with speculative.tracing(model, cfg):
         sampling = mtp_jax.SamplingParams.from_config(cfg, ids.shape[0])
         state = speculative.start_state(model, ids, lens, jax.random.key(0), sampling, cfg, greedy=True)
         body = speculative.round_step(model, cfg, None, True, lambda s: ~jnp.all(s.done))
@@ -201,7 +202,8 @@ def _bfloat16(model):
 
 
 needs_invariant_trees = pytest.mark.skipif(
-    not dispatch.invariant_trees_here(), reason="batch-invariant trees need the CPU row kernel's attention"
+    not execution_plan.invariant_trees(traced_plan.resolve(invariant=True)),
+    reason="batch-invariant trees need the CPU row kernel's attention",
 )
 
 

@@ -34,11 +34,11 @@ MAX_TOP_LEVEL_MODULES = 8
 # top-level modules, a package's __main__) and the package's __init__ (the public API) may import anything.
 PACKAGE_ORDER = (
     "runtime",  # errors, files, platforms, the cache folder, JAX's compilation cache
-    "config",  # the model's shape and the decode settings
+    "config",  # the model's shape, the decode settings and the execution plan
     "parallel",  # meshes, logical-axis rules, placement
     "quant",  # quantized weights, one module per format
-    "ops",  # the products and sums the models call, and the one dispatch to kernels
-    "kernels",  # the dispatch's implementations: CPU (native), Pallas / Triton
+    "ops",  # XLA's forms of the products and sums the models call
+    "kernels",  # the execution plan resolved, the dispatch by it, and its implementations: CPU (native), Pallas
     "models",  # blocks, trunks, MTP head, KV caches
     "params",  # checkpoint sources and converted folders
     "families",  # each family's config and key table
@@ -161,7 +161,7 @@ def test_sub_packages_import_only_those_before_them():
 
 def test_the_order_check_finds_an_upward_import():
     graph = {
-        "mtp_jax.models.moe": {"mtp_jax.decode.rounds", "mtp_jax.ops.dispatch"},
+        "mtp_jax.models.moe": {"mtp_jax.decode.rounds", "mtp_jax.ops.rowwise"},
         "mtp_jax.decode.__main__": {"mtp_jax.cli.decode"},  # a shim may import its command
     }
     assert upward_imports(graph) == [("mtp_jax.models.moe", "mtp_jax.decode.rounds")]
@@ -233,3 +233,43 @@ def test_every_family_module_is_registered(name):
 
 def test_the_families_are_the_seven_modules():
     assert FAMILY_MODULES == ["deepseek_v3", "glm4_moe", "llama", "mimo", "qwen2", "qwen3", "qwen_hybrid"]
+
+
+# Where a context variable may live, and what it carries: none of them chooses an implementation.
+CONTEXT_VARIABLES = {
+    "mtp_jax.kernels.traced_plan": "the execution plan of the program traced now, chosen before the trace",
+    "mtp_jax.parallel.sharding": "the mesh rules of the program traced now",
+    "mtp_jax.ops.loops": "loops unrolled for the planner's cost analysis",
+}
+
+
+def context_variables() -> set[str]:
+    """The modules that create a contextvars.ContextVar."""
+    calls = lambda tree: (n for n in ast.walk(tree) if isinstance(n, ast.Call))
+    named = lambda call: ast.unparse(call.func).split(".")[-1] == "ContextVar"
+    return {name for name, tree in MODULES.items() if any(named(call) for call in calls(tree))}
+
+
+def import_time_calls(tree: ast.Module) -> list[str]:
+    """Calls a module makes at its top level (outside assignments): a registration run by importing it (a custom
+    derivative's `defvjp` aside: it completes a function's definition)."""
+    calls = [node.value for node in tree.body if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)]
+    return [ast.unparse(c) for c in calls if ast.unparse(c.func).split(".")[-1] not in ("defvjp", "defjvp")]
+
+
+def test_no_registry_or_context_variable_chooses_an_implementation():
+    """Each operation's implementation is the execution plan's member, picked in kernels/dispatch.py: no kernel or
+    op module registers itself when imported, and the context variables are only the three that carry a trace's
+    settings."""
+    registering = {
+        name: import_time_calls(tree)
+        for name, tree in MODULES.items()
+        if name.startswith(("mtp_jax.kernels", "mtp_jax.ops")) and import_time_calls(tree)
+    }
+    assert not registering, registering
+    assert context_variables() == set(CONTEXT_VARIABLES), context_variables()
+
+
+def test_the_registry_check_finds_an_import_time_registration():
+    tree = ast.parse("import x\nx.register_kernel('k', lambda platform: True)\nf.defvjp(a, b)\nTABLE = {}\n")
+    assert import_time_calls(tree) == ["x.register_kernel('k', lambda platform: True)"]

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mtp_jax.kernels.cpu import cpu_attention, cpu_rows
+from mtp_jax.kernels.traced_plan import resolve, tracing
 from mtp_jax.models import cache_attention
-from mtp_jax.ops.dispatch import tracing
 
 pytestmark = [
     pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here"),
@@ -39,7 +39,7 @@ def attend(fused: bool, q, k, v, positions, stack_k, stack_v, visible_from, stac
     past = [cache_attention.LayerSlots(s, jnp.int32(1)) if stacked else s[1] for s in (stack_k, stack_v)]
 
     def run(q, k, v, positions, visible_from):
-        with tracing(form == "invariant"):
+        with tracing(resolve(invariant=form == "invariant")):
             return cache_attention.grouped_attention(q, k, v, positions, *past, visible_from, form)
 
     with pytest.MonkeyPatch.context() as patch:

@@ -1,6 +1,6 @@
 """The CPU's row kernel (mtp_jax/kernels/cpu/cpu_rows.py, native/row_matmul.cc), built on first use with g++.
 
-- Every equation the models hand `rowwise.project` (projections to heads, two contracting axes, the tied lm_head
+- Every equation the models hand `dispatch.project` (projections to heads, two contracting axes, the tied lm_head
   read as the embedding, per-expert and per-head batches), with float32, bfloat16, int8 and 4-bit (blocks with
   float16 scales and mins, packed two to a byte) weights and float32 or bfloat16 activations, against an exact
   float32 einsum; an int8 weight enters as stored.
@@ -24,8 +24,8 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.decode import speculative
 from mtp_jax.kernels.cpu import cpu_rows, kernel_build
-from mtp_jax.ops import matmul_layout, rowwise
-from mtp_jax.ops.rowwise import lone_rows_exact, project
+from mtp_jax.kernels.dispatch import lone_rows_exact, project
+from mtp_jax.ops import matmul_layout
 from mtp_jax.plan import shapes
 from mtp_jax.quant import fp8, int4, int8, quantized_array
 from tests.support.prompts import invariant_greedy
@@ -67,7 +67,7 @@ def test_agrees_with_an_exact_einsum(equation, weight_form, x_dtype):
     # packed 4-bit values are only read in place (the per-head absorption's weight is not: XLA's product)
     assert cpu_rows.takes(equation, x, weight, invariant=False) == (weight_form != "int4" or in_place)
     if weight_form == "int4" and not in_place:
-        got = rowwise.project(equation, x, weight, jnp.float32)
+        got = project(equation, x, weight, jnp.float32)
     else:
         got = cpu_rows.einsum(equation, x, weight)
     if weight_form in ("int8", "int4"):  # the stored values times their scales (plus the mins), in float32

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +15,12 @@ import numpy as np
 import pytest
 
 import mtp_jax
+from mtp_jax.config import execution_plan
 from mtp_jax.decode import speculative
 from mtp_jax.kernels import delta_rule_kernel as kernel_module
+from mtp_jax.kernels import dispatch, traced_plan
 from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.gated_deltanet import recurrent_delta_rule, tree_delta_rule
-from mtp_jax.ops import dispatch
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import planning, shapes, topology
 from tests.support.hybrid_models import predictable_hybrid_model
@@ -94,16 +96,28 @@ def test_a_kernel_that_drops_the_decay_fails_the_comparison():
         close(final, recurrent_delta_rule(q, k, v, g, beta, state)[1])
 
 
-def test_the_dispatch_takes_the_kernel_only_where_it_is_available(monkeypatch):
-    """On this CPU the delta rule is XLA's scan; a TPU takes the kernel for whole-lane head dims only."""
+def test_the_plan_takes_the_kernel_where_it_names_it():
+    """On this CPU the resolved plan runs XLA's scan, a plan naming the kernel runs it (interpreted); a TPU's plan
+    names it, and takes it for whole-lane head dims only."""
     _, k, _, _, _, state = rule_inputs(0, 1, 2, 2, 16, 128)
-    assert dispatch.delta_rule_implementation(k, state) is None
-    monkeypatch.setitem(dispatch._AVAILABLE, kernel_module.NAME, lambda platform: True)
-    assert dispatch.delta_rule_implementation(k, state).name == kernel_module.NAME
-    tpu = dispatch.Numerics("tpu", True, False, (kernel_module.NAME,))
-    assert not kernel_module._accepts(tpu, k, state)  # H = 16: not whole lanes
-    wide = jnp.zeros((1, 2, 128, 128))
-    assert kernel_module._accepts(tpu, jnp.zeros((1, 2, 2, 128)), wide)
+    here = traced_plan.resolve()
+    assert here.delta_rule is execution_plan.DeltaRule.XLA_SCAN
+    with traced_plan.tracing(here):
+        assert dispatch.delta_rule_implementation(k, state) is None
+    with traced_plan.tracing(dataclasses.replace(here, delta_rule=execution_plan.DeltaRule.PALLAS)):
+        assert dispatch.delta_rule_implementation(k, state) is kernel_module.run
+    tpu = _tpu_plan()
+    assert tpu.delta_rule is execution_plan.DeltaRule.PALLAS
+    with traced_plan.tracing(tpu):
+        assert dispatch.delta_rule_implementation(k, state) is None  # H = 16: not whole lanes
+        wide = jnp.zeros((1, 2, 128, 128))
+        assert dispatch.delta_rule_implementation(jnp.zeros((1, 2, 2, 128)), wide) is kernel_module.run
+
+
+def _tpu_plan() -> execution_plan.ExecutionPlan:
+    """The plan resolved for a mesh of one TPU device (only its platform and size are read)."""
+    mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu")]), size=1)
+    return traced_plan.resolve(types.SimpleNamespace(mesh=mesh))
 
 
 @pytest.mark.slow
@@ -116,21 +130,21 @@ def test_greedy_mtp_through_the_kernel_equals_plain(monkeypatch):
     lens = np.array([1, 7, 4, 10], np.int32)
     prompts = padded_prompts(0, lens, 24)
 
-    def decode(k: int, **settings):
-        jax.clear_caches()
-        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=48, **settings)
+    def decode(k: int, plan: execution_plan.ExecutionPlan, **settings):
+        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=48, plan=plan, **settings)
         out = mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg)
         return np.asarray(out.tokens), np.asarray(out.lengths)
 
-    by_xla = decode(0)
-    monkeypatch.setitem(dispatch._AVAILABLE, kernel_module.NAME, lambda platform: True)
+    here = traced_plan.resolve()
+    by_xla = decode(0, here)
+    kernel_plan = dataclasses.replace(here, delta_rule=execution_plan.DeltaRule.PALLAS)
     ran = []
     run = kernel_module.delta_rule_kernel
     monkeypatch.setattr(kernel_module, "delta_rule_kernel", lambda *a, **kw: ran.append(1) or run(*a, **kw))
-    plain = decode(0)
+    plain = decode(0, kernel_plan)
     assert ran
     for k, settings in ((1, {}), (3, {}), (3, {"tree": 8, "tree_width": 3})):
-        for got, want in zip(decode(k, **settings), plain, strict=True):
+        for got, want in zip(decode(k, kernel_plan, **settings), plain, strict=True):
             np.testing.assert_array_equal(got, want)
     for got, want in zip(plain, by_xla, strict=True):
         np.testing.assert_array_equal(got, want)

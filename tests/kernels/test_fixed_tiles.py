@@ -22,9 +22,9 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from mtp_jax.kernels import fixed_tiles
-from mtp_jax.ops import dispatch
-from mtp_jax.ops.rowwise import project
+from mtp_jax.config import execution_plan
+from mtp_jax.kernels import dispatch, fixed_tiles, traced_plan
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.plan import shapes
 from mtp_jax.quant import formats, quantized_array
 from tests.support.prompts import invariant_greedy
@@ -67,19 +67,25 @@ def test_a_rows_bits_do_not_depend_on_the_pass():
 
 
 def _tiles_taken() -> bool:
-    """Whether the dispatch gives the products traced now to the fixed tiles."""
-    implementation = dispatch.product_implementation("BTD,DF->BTF", jnp.ones((1, 2, 8)), jnp.ones((8, 4)))
-    return implementation is not None and implementation.name == fixed_tiles.KERNEL
+    """Whether the plan traced now gives a product to the fixed tiles."""
+    return dispatch.product_implementation("BTD,DF->BTF", jnp.ones((1, 2, 8)), jnp.ones((8, 4))) is (
+        fixed_tiles.run_product
+    )
 
 
-def test_used_only_while_a_batch_invariant_decode_is_traced_on_a_platform_that_needs_it(monkeypatch):
+def _resolved(invariant: bool):
+    return traced_plan.tracing(traced_plan.resolve(invariant=invariant))
+
+
+def test_planned_only_for_a_batch_invariant_decode_on_a_platform_that_needs_it(monkeypatch):
     for on in (True, False):
-        with dispatch.tracing(on):
+        with _resolved(on):
             assert not _tiles_taken()  # this CPU: XLA's float32-out products are already row-invariant
     monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
-    with dispatch.tracing(True):
+    with _resolved(True) as plan:
+        assert plan.products is execution_plan.Products.FIXED_TILES
         assert _tiles_taken()
-        with dispatch.tracing(False):
+        with _resolved(False):
             assert not _tiles_taken()
         jaxpr = str(jax.make_jaxpr(lambda x, w: project("BTD,DF->BTF", x, w))(jnp.ones((1, 2, 8)), jnp.ones((8, 4))))
         assert "pallas_call" in jaxpr
@@ -120,7 +126,7 @@ def _kernel_operand_dtypes(jaxpr) -> list:
 def test_a_quantized_weight_is_read_as_stored_and_scaled_in_the_tiles(form, equation, monkeypatch):
     monkeypatch.setattr(fixed_tiles, "PLATFORMS", ("gpu", "cpu"))
     x, weight = _stored(form, equation)
-    with dispatch.tracing(True):
+    with _resolved(True):
         got = project(equation, x, weight, jnp.float32)
         jaxpr = jax.make_jaxpr(lambda x, w: project(equation, x, w))(x, weight)
     assert _kernel_operand_dtypes(jaxpr.jaxpr)[1] == weight.values.dtype  # no dequantized copy enters the kernel

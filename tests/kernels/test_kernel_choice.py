@@ -1,6 +1,7 @@
-"""The kernel dispatch's measured choice (ops/dispatch.py, kernels/cpu/kernel_choice.py): outside batch-invariant
-decoding a product takes the CPU row kernel only where the kernel beat XLA's form in the table for its weight form
-and row count; under it, always; the table is timed outside any trace, each form both ways, [K, N] and [N, K] apart."""
+"""The CPU's measured choice in the execution plan (config/execution_plan.py, kernels/cpu/kernel_choice.py): outside
+batch-invariant decoding a product takes the CPU row kernel only where the kernel beat XLA's form in the table for its
+weight form and row count (the plan's `kernel_loses`); under it, always; the table is timed outside any trace, each
+form both ways, [K, N] and [N, K] apart."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax.config import execution_plan
+from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.cpu import cpu_rows, kernel_choice
-from mtp_jax.ops import dispatch
-from mtp_jax.ops.rowwise import project
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.quant import int8
 
 pytestmark = pytest.mark.skipif(cpu_rows.status() != "ready", reason=f"CPU row kernel: {cpu_rows.status()}")
@@ -23,23 +25,28 @@ def _table(kernel_faster_at: set[int]) -> dict:
     return {"float32": rows}
 
 
-def _takes_kernel(x: jax.Array, weight) -> bool:
-    return "ffi_call" in str(jax.make_jaxpr(lambda x, w: project("MD,DN->MN", x, w))(x, weight))
+def _takes_kernel(plan, x: jax.Array, weight, equation: str = "MD,DN->MN") -> bool:
+    with traced_plan.tracing(plan):
+        return "ffi_call" in str(jax.make_jaxpr(lambda x, w: project(equation, x, w))(x, weight))
 
 
 def test_a_product_takes_the_kernel_where_it_won(monkeypatch):
     monkeypatch.setenv(kernel_choice.DISABLE_ENV, "1")
     monkeypatch.setattr(cpu_rows, "choice_table", lambda: _table({1, 2}))
+    plan = traced_plan.resolve()
+    assert plan.kernel_loses == ("float32@4", "float32@8", "float32@16", "float32@64")
     weight = jnp.ones((64, 96), jnp.float32)
-    assert _takes_kernel(jnp.ones((1, 64)), weight)
-    assert _takes_kernel(jnp.ones((2, 64)), weight)
-    assert not _takes_kernel(jnp.ones((3, 64)), weight)  # the verdict at 4 rows: XLA
-    with dispatch.tracing(True):  # batch-invariant decoding needs the kernel's bits, whatever it measured
-        assert _takes_kernel(jnp.ones((3, 64)), weight)
+    assert _takes_kernel(plan, jnp.ones((1, 64)), weight)
+    assert _takes_kernel(plan, jnp.ones((2, 64)), weight)
+    assert not _takes_kernel(plan, jnp.ones((3, 64)), weight)  # the verdict at 4 rows: XLA
+    invariant = traced_plan.resolve(invariant=True)  # batch-invariant decoding needs the kernel's bits
+    assert invariant.kernel_loses == () and _takes_kernel(invariant, jnp.ones((3, 64)), weight)
     int8_weight = int8.quantize_int8(jnp.ones((64, 96)), (0,))  # a form the table does not hold: the kernel
-    assert _takes_kernel(jnp.ones((3, 64)), int8_weight)
+    assert _takes_kernel(plan, jnp.ones((3, 64)), int8_weight)
     monkeypatch.setenv(kernel_choice.DISABLE_ENV, "0")  # no choice: the kernel wherever it runs
-    assert _takes_kernel(jnp.ones((3, 64)), weight)
+    assert _takes_kernel(traced_plan.resolve(), jnp.ones((3, 64)), weight)
+    xla = execution_plan.xla_only("cpu")  # a plan without the kernel: none of it
+    assert not _takes_kernel(xla, jnp.ones((1, 64)), weight)
 
 
 @pytest.mark.slow
@@ -62,10 +69,10 @@ def test_a_transposed_product_takes_its_own_verdict(monkeypatch):
     table = {"float32": kernel_faster, "float32" + kernel_choice.TRANSPOSED_KEY: xla_faster}
     monkeypatch.setattr(cpu_rows, "choice_table", lambda: table)
     x = jnp.ones((1, 64))
-    assert _takes_kernel(x, jnp.ones((64, 96), jnp.float32))
-    assert "ffi_call" not in str(jax.make_jaxpr(lambda x, w: project("MD,ND->MN", x, w))(x, jnp.ones((96, 64))))
+    assert _takes_kernel(traced_plan.resolve(), x, jnp.ones((64, 96), jnp.float32))
+    assert not _takes_kernel(traced_plan.resolve(), x, jnp.ones((96, 64)), "MD,ND->MN")
     table["float32" + kernel_choice.TRANSPOSED_KEY] = kernel_faster
-    assert "ffi_call" in str(jax.make_jaxpr(lambda x, w: project("MD,ND->MN", x, w))(x, jnp.ones((96, 64))))
+    assert _takes_kernel(traced_plan.resolve(), x, jnp.ones((96, 64)), "MD,ND->MN")
 
 
 @pytest.mark.slow
@@ -77,7 +84,7 @@ def test_the_table_is_timed_outside_the_trace_that_asks_for_it(monkeypatch):
     monkeypatch.setattr(kernel_choice, "CALLS", 2)
     measured = []
 
-    def traced(x):  # asked for while a program is traced, as the dispatch asks
+    def traced(x):  # asked for while a program is traced (a plan resolved inside a user's jit)
         run = lambda: kernel_choice.measure(cpu_rows.einsum, cpu_rows.xla_float32)
         measured.append(kernel_choice.outside_any_trace(run))
         return x + 1

@@ -6,6 +6,7 @@ row; the routed floor's expectation against exact enumeration."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -16,10 +17,10 @@ import pytest
 from flax import nnx
 
 import mtp_jax
+from mtp_jax.config import execution_plan
 from mtp_jax.families.registry import model_config_from_hf, tiny_configs
-from mtp_jax.kernels import grouped_kernel, routed_kernel
+from mtp_jax.kernels import dispatch, grouped_kernel, routed_kernel, traced_plan
 from mtp_jax.models import moe as moe_module
-from mtp_jax.ops import dispatch
 from mtp_jax.plan import routed_floor
 from mtp_jax.quant import fp8, int8, loop_weights, quantized_array
 from tests.support.prompts import padded_prompts
@@ -204,14 +205,14 @@ def test_the_routed_floor_expectation_matches_enumeration(rows, picks, total, lo
     assert math.isclose(routed_floor.expected_experts(rows, picks, total, local), want, rel_tol=1e-12)
 
 
-def test_the_dispatch_picks_the_routed_form_for_small_passes():
+def test_the_cpu_plan_picks_the_routed_form_for_small_passes():
     """On a CPU: XLA's gathered form where copying the used experts costs less than reading them all (3 U < E),
     every expert elsewhere and under batch-invariant decoding (its fixed order); XLA's grouped matmuls for a large
     pass."""
     stacks = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((1, 64, D, F), (1, 64, D, F), (1, 64, F, D)))
     pick = lambda rows, invariant=False: _picked(rows, stacks, invariant)
-    assert pick(1) == routed_kernel.GATHER  # 8 slots of 64 experts
-    assert pick(2) == routed_kernel.GATHER
+    assert pick(1) is routed_kernel.gathered_experts  # 8 slots of 64 experts
+    assert pick(2) is routed_kernel.gathered_experts
     assert pick(3) is None  # 24 slots: 72 >= 64
     assert pick(1, invariant=True) is None
     assert pick(moe_module.DENSE_EXPERT_ROWS + 1) is None  # a large pass: the grouped kernel is a TPU's
@@ -220,18 +221,15 @@ def test_the_dispatch_picks_the_routed_form_for_small_passes():
 def _picked(rows, stacks, invariant):
     x = jax.ShapeDtypeStruct((rows, D), jnp.float32)
     ids = jax.ShapeDtypeStruct((rows, 8), jnp.int32)
-    with dispatch.tracing(invariant):
-        found = dispatch.experts_implementation(
-            x, ids, *stacks, manual=True, small=rows <= moe_module.DENSE_EXPERT_ROWS
-        )
-    return None if found is None else found.name
+    with traced_plan.tracing(traced_plan.resolve(invariant=invariant)):
+        return dispatch.experts_implementation(x, ids, *stacks, manual=True, small=rows <= moe_module.DENSE_EXPERT_ROWS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", [routed_kernel.PALLAS, grouped_kernel.NAME])
+@pytest.mark.parametrize("kernel", ["pallas", "grouped"])
 def test_greedy_decoding_through_the_kernel_is_every_experts(monkeypatch, kernel):
     """A tiny DeepSeek-V3 (16 experts, 4 picks), batch 4 of mixed prompt lengths: greedy decoding with the routed
-    experts through a kernel (Pallas' interpreter, made available on this CPU) gives the tokens of every expert on
+    experts through a kernel (Pallas' interpreter, named by the plan on this CPU) gives the tokens of every expert on
     every row, plain and with 2 drafts a round. The grouped kernel takes passes past DENSE_EXPERT_ROWS, lowered to 2
     here so that every pass (prefill, steps, verify blocks) is one."""
     cfg = model_config_from_hf(tiny_configs()["deepseek_v3"]).replace(eos_token_ids=())
@@ -239,23 +237,25 @@ def test_greedy_decoding_through_the_kernel_is_every_experts(monkeypatch, kernel
     lens = np.array([3, 9, 1, 6], np.int32)
     prompts = padded_prompts(3, lens, cfg.vocab_size)
 
-    def decode(k: int):
-        jax.clear_caches()
-        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=12)
+    def decode(k: int, plan):
+        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=12, plan=plan)
         return np.asarray(mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg).tokens)
 
-    with monkeypatch.context() as patch:
-        patch.setattr(dispatch, "_EXPERTS", [])  # no routed form: every expert on every row
-        every_expert = decode(0)
-    module = routed_kernel if kernel == routed_kernel.PALLAS else grouped_kernel
-    run_name = "routed_experts_kernel" if kernel == routed_kernel.PALLAS else "grouped_experts_kernel"
-    if kernel == grouped_kernel.NAME:
+    small, large = execution_plan.SmallPassExperts, execution_plan.LargePassExperts
+    every_expert_plan = dataclasses.replace(
+        traced_plan.resolve(), small_experts=small.EVERY_EXPERT, large_experts=large.RAGGED_DOT
+    )
+    every_expert = decode(0, every_expert_plan)
+    module = routed_kernel if kernel == "pallas" else grouped_kernel
+    run_name = "routed_experts_kernel" if kernel == "pallas" else "grouped_experts_kernel"
+    if kernel == "pallas":
+        plan = dataclasses.replace(every_expert_plan, small_experts=small.PALLAS)
+    else:
+        plan = dataclasses.replace(every_expert_plan, large_experts=large.PALLAS_GROUPED)
         monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 2)
-    monkeypatch.setattr(dispatch, "_EXPERTS", [i for i in dispatch._EXPERTS if i.name == kernel])
-    monkeypatch.setitem(dispatch._AVAILABLE, kernel, lambda platform: True)
     ran = []
     run = getattr(module, run_name)
     monkeypatch.setattr(module, run_name, lambda *a, **k: ran.append(1) or run(*a, **k))
-    np.testing.assert_array_equal(decode(0), every_expert)
-    np.testing.assert_array_equal(decode(2), every_expert)
+    np.testing.assert_array_equal(decode(0, plan), every_expert)
+    np.testing.assert_array_equal(decode(2, plan), every_expert)
     assert ran  # the passes went through the kernel

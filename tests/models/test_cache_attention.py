@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax.config import execution_plan
 from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.kernels import traced_plan
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention, grouped_attention
 from mtp_jax.models.kv_cache import cache_slots, decode_attention
-from mtp_jax.ops import dispatch
 
 B, T, N, K, H = 3, 4, 6, 2, 8
 
@@ -64,14 +65,14 @@ def test_attention_over_the_cache_matches_numpy(slots, starts):
     np.testing.assert_allclose(got, reference(q, k, v, positions, past_k, past_v, everything), atol=2e-5)
 
 
-def test_a_cache_of_one_chunk_attended_chunked_matches_numpy(monkeypatch):
+def test_a_cache_of_one_chunk_attended_chunked_matches_numpy():
     """One chunk a run (each shard of a cache split over its slots into runs of one chunk) is attended with no loop
     or skip around it: a row seeing no cache at all (start 0) and rows deep in the chunk, against numpy (XLA's form:
-    no attention kernel registered)."""
-    monkeypatch.setattr(dispatch, "_ATTENTION", [])
+    a plan without the attention kernel)."""
     q, k, v, positions, past_k, past_v = inputs(ATTENTION_CHUNK, (0, 17, ATTENTION_CHUNK - T))
     visible_from = np.array([0, 3, 100], np.int32)
-    got = grouped_attention(q, k, v, positions, past_k, past_v, visible_from, "chunked")
+    with traced_plan.tracing(execution_plan.xla_only("cpu")):
+        got = grouped_attention(q, k, v, positions, past_k, past_v, visible_from, "chunked")
     np.testing.assert_allclose(got, reference(q, k, v, positions, past_k, past_v, visible_from), atol=2e-5)
 
 

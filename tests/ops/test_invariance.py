@@ -24,7 +24,8 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax.config.model import MoeConfig
-from mtp_jax.ops.rowwise import lone_rows_exact, project, row_sum
+from mtp_jax.kernels.dispatch import lone_rows_exact, project
+from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.plan import shapes
 
 pytestmark = pytest.mark.slow

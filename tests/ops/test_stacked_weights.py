@@ -1,5 +1,5 @@
 """Layer weights read in place from their stack by the CPU row kernel (ops/stacked_weights.py), and quantized
-weights dequantized first in passes of many rows (rowwise._dequantized_first)."""
+weights dequantized first in passes of many rows (rowwise.dequantized_first)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax.decode.speculative import compile_generate
+from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.cpu import cpu_rows
-from mtp_jax.ops import dispatch
-from mtp_jax.ops.rowwise import DEQUANTIZED_ROWS, project
+from mtp_jax.kernels.dispatch import project
+from mtp_jax.ops.rowwise import DEQUANTIZED_ROWS
 from mtp_jax.ops.stacked_weights import StackedWeight
 from mtp_jax.plan import shapes
 from mtp_jax.quant import formats, int4, int8
@@ -114,7 +115,7 @@ def test_a_pass_of_many_rows_multiplies_by_the_dequantized_weight(form):
         return any(tuple(e.outvars[0].aval.shape) == shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "mul")
 
     assert dequantizes(lambda x: project("MD,DF->MF", x, weight), x)
-    with dispatch.tracing(True):
+    with traced_plan.tracing(traced_plan.resolve(invariant=True)):
         assert not dequantizes(lambda x: project("MD,DF->MF", x, weight), x)
     assert not dequantizes(lambda x: project("MD,DF->MF", x, weight), x[:DEQUANTIZED_ROWS])
     experts = QUANTIZE[form](jnp.asarray(rng.normal(size=(2, 128, 96)) / 8, jnp.float32), (1,))

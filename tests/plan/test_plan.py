@@ -15,13 +15,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mtp_jax.config import execution_plan
 from mtp_jax.config.model import MoeConfig
 from mtp_jax.decode import speculative
-from mtp_jax.kernels import grouped_kernel
+from mtp_jax.kernels import grouped_kernel, traced_plan
 from mtp_jax.models import causal_lm
 from mtp_jax.models import moe as moe_module
 from mtp_jax.models.cache_attention import LayerSlots
-from mtp_jax.ops import dispatch
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import hlo_text, hlo_traffic, planning, routed_floor, shapes, topology
 from mtp_jax.plan.hlo_collectives import array_bytes, collectives
@@ -431,8 +431,8 @@ def test_small_moe_passes_read_stacked_expert_weights_in_place(monkeypatch):
 
     assert expert_copies() == []
     monkeypatch.setattr(moe_module, "DENSE_EXPERT_ROWS", 0)
-    monkeypatch.setattr(dispatch, "_EXPERTS", [i for i in dispatch._EXPERTS if i.name != grouped_kernel.NAME])
-    jax.clear_caches()
+    xla_grouped = execution_plan.LargePassExperts.RAGGED_DOT
+    work = dataclasses.replace(work, plan=dataclasses.replace(traced_plan.resolve(rules), large_experts=xla_grouped))
     assert expert_copies()
 
 

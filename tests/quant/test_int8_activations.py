@@ -16,9 +16,9 @@ import pytest
 
 import mtp_jax
 from mtp_jax.decode import speculative
+from mtp_jax.kernels import dispatch
 from mtp_jax.kernels.cpu import cpu_rows
 from mtp_jax.loading import checkpoint
-from mtp_jax.ops import rowwise
 from mtp_jax.ops.stacked_weights import StackedWeight
 from mtp_jax.quant import blocked_product, formats, int4, int8_activations, quantized_array
 from mtp_jax.quant.int8 import quantize_int8_blocks
@@ -83,11 +83,11 @@ def test_xla_product_matches_the_exact_reference():
 
 
 def test_every_path_of_a_projection_rounds():
-    """A prefill of more than 64 rows multiplies by the weight dequantized first (`rowwise._dequantized_first`): its
+    """A prefill of more than 64 rows multiplies by the weight dequantized first (`rowwise.dequantized_first`): its
     rows are rounded there too, so a prompt's logits come from the same model as its decode steps'."""
     weight = rounded_weight((96, 64), seed=11)
     x = np.asarray(jax.random.normal(jax.random.key(12), (100, 96)), np.float32)
-    got = np.asarray(rowwise.project("MK,KN->MN", jnp.asarray(x), weight))
+    got = np.asarray(dispatch.project("MK,KN->MN", jnp.asarray(x), weight))
     np.testing.assert_allclose(got, exact_product(x, weight), rtol=2e-5, atol=2e-5)
 
 

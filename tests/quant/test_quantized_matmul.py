@@ -1,4 +1,4 @@
-"""Matmuls over weights stored quantized (blocked_product.quantized_einsum, through rowwise.project): the result of the
+"""Matmuls over weights stored quantized (blocked_product.quantized_einsum, through dispatch.project): the result of the
 einsum over the dequantized weight, without ever forming it, and compiled for TPU a read of the weight at its stored
 size (the dequantize-then-matmul form reads and writes it several times over)."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtp_jax.ops.rowwise import project
+from mtp_jax.kernels.dispatch import project
 from mtp_jax.plan import topology
 from mtp_jax.plan.hlo_traffic import hbm_bytes
 from mtp_jax.quant import formats, quantized_array

@@ -13,6 +13,7 @@ Usage, from the repository root: python -m tests.support.sharded_worker SECTION 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -27,17 +28,17 @@ from flax import nnx
 
 import mtp_jax
 from checkpoints_convert.__main__ import main as convert_main
+from mtp_jax.config import execution_plan
 from mtp_jax.config.model import MoeConfig, MtpConfig
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.decode.engine import Engine, Request
-from mtp_jax.kernels import delta_rule_kernel
+from mtp_jax.kernels import traced_plan
 from mtp_jax.loading import heads
 from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention, grouped_attention
 from mtp_jax.models.kv_cache import cache_slots, long_cache_shards
 from mtp_jax.models.mla import MultiHeadLatentAttention
 from mtp_jax.models.moe import MoE
 from mtp_jax.models.softmax_moe import SoftmaxMoE
-from mtp_jax.ops import dispatch
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import shapes
 from tests.support.commands import ROOT
@@ -92,13 +93,14 @@ def all_gather_shapes(hlo: str) -> list[list[int]]:
     return shapes
 
 
-def decode(model, k: int, adaptive: bool = False, ids=IDS, lens=LENS, new_tokens: int = NEW_TOKENS, tree: int = 0):
+def decode(model, k: int, adaptive: bool = False, ids=IDS, lens=LENS, new_tokens: int = NEW_TOKENS, tree: int = 0,
+           plan=None):  # fmt: skip
     """(output as lists, the compiled program's text) of greedy decoding `ids` (IDS unless given); `tree`: a draft
-    tree's node budget (k deep, 3 wide)."""
+    tree's node budget (k deep, 3 wide); `plan`: an execution plan (default: the one resolved for the mesh)."""
     graphdef, params = nnx.split(model)
     costs = (1.0, 1.2) if adaptive else None  # cheap drafts, so the policy drafts (whatever a tiny model's bytes say)
     cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=new_tokens, adaptive=adaptive, round_costs=costs,
-                               tree=tree, tree_width=3)  # fmt: skip
+                               tree=tree, tree_width=3, plan=plan)  # fmt: skip
     run = jax.jit(lambda p, i, n: mtp_jax.generate(nnx.merge(graphdef, p), i, n, jax.random.key(0), cfg))
     lowered = run.lower(params, ids, lens)
     compiled = lowered.compile()
@@ -167,17 +169,13 @@ def mesh_report(model, spec: str, k: int) -> dict:
 
 
 def delta_rule_kernel_report(model, spec: str, k: int, **settings) -> dict:
-    """`model` decoded with k drafts (and DecodeConfig `settings`) on mesh `spec` with the delta-rule kernel made
-    available (Pallas' interpreter on these CPU devices): its outputs, and its program's shard_map calls (the kernel
-    runs per shard)."""
-    available = dispatch._AVAILABLE[delta_rule_kernel.NAME]
-    dispatch._AVAILABLE[delta_rule_kernel.NAME] = lambda platform: True
-    jax.clear_caches()  # generate's programs traced before, without the kernel, are not reused
-    try:
-        result, _ = decode(sharding.shard_model(model, sharding.make_mesh(spec)), k, **settings)
-    finally:
-        dispatch._AVAILABLE[delta_rule_kernel.NAME] = available
-        jax.clear_caches()
+    """`model` decoded with k drafts (and DecodeConfig `settings`) on mesh `spec` under a plan that names the
+    delta-rule kernel (Pallas' interpreter on these CPU devices): its outputs, and its program's shard_map calls (the
+    kernel runs per shard)."""
+    sharded = sharding.shard_model(model, sharding.make_mesh(spec))
+    plan = traced_plan.resolve(sharded.sharding_rules)
+    plan = dataclasses.replace(plan, delta_rule=execution_plan.DeltaRule.PALLAS)
+    result, _ = decode(sharded, k, plan=plan, **settings)
     return result
 
 

@@ -1,5 +1,5 @@
 """Decode attention on a CPU in one call per layer: native/cache_attention.cc, built into the row kernel's library
-(kernels/cpu/cpu_rows.py registers both).
+(kernels/cpu/cpu_rows.py loads both).
 
 The batch-invariant form written with XLA ops (`cache_attention.attend_written_cache`) copies each layer's chunk of
 keys and values, with the block's entries merged in, into the layout its products read, and runs a few dozen small
@@ -20,10 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.kernels.cpu import cpu_rows
-from mtp_jax.ops import dispatch
-from mtp_jax.ops.rowwise import attention_rows_exact
 
-KERNEL = "cpu_attention"  # its name in ops/dispatch.py
 DECODE_POSITIONS = 33  # a pass of at most this many positions a row (decode steps, verify blocks, a tree of 32
 # nodes and its root, a prompt as short) takes the kernel outside batch-invariant decoding; a longer prefill keeps
 # XLA's form (GEMMs)
@@ -34,7 +31,7 @@ def takes(q: jax.Array, past_k, shards: int) -> bool:
     """Whether the kernel can attend these queries [B, T, N, H] over this cache (an array [B, S, K, H] or
     LayerSlots): float32 or bfloat16 queries and cache (bfloat16's values widened exactly), one run of slots (not
     split over devices), at most MAX_HEAD_DIM head dims, on a CPU with the row kernel built
-    (`rowwise.attention_rows_exact` is asked by the caller)."""
+    (the plan's choice, made in kernels/dispatch.py)."""
     head_dim = q.shape[-1]
     return (
         shards == 1
@@ -105,16 +102,9 @@ def _attend_backward(residuals, cotangent):
 _attend.defvjp(_attend_forward, _attend_backward)
 
 
-def _accepts(numerics: dispatch.Numerics, q: jax.Array, past_k, shards: int, whole_pass: bool) -> bool:
-    """Decode steps and verify blocks (every pass where the batch-invariant form asks) that `takes` says it reads,
-    in a program for one CPU device. Outside batch-invariant decoding, float32 only (a bfloat16 model there keeps
-    XLA's form, not timed against the kernel)."""
+def reads(q: jax.Array, past_k, shards: int, whole_pass: bool) -> bool:
+    """Whether the kernel takes this pass where a plan gives it decode attention: decode steps and verify blocks
+    (every pass where the batch-invariant form asks: `whole_pass`) that `takes` says it reads. Outside
+    batch-invariant decoding, float32 only (a bfloat16 model there keeps XLA's form, not timed against the kernel)."""
     fits = whole_pass or (q.shape[1] <= DECODE_POSITIONS and q.dtype == past_k.dtype == jnp.float32)
-    return fits and numerics.has(KERNEL) and attention_rows_exact(q.dtype) and takes(q, past_k, shards)
-
-
-dispatch.register_kernel(
-    KERNEL,
-    lambda platform: platform == "cpu" and cpu_rows.status() == "ready",
-    attention=dispatch.Implementation(KERNEL, _accepts, attend, takes_block_mask=True),
-)
+    return fits and takes(q, past_k, shards)

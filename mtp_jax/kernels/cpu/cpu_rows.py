@@ -15,9 +15,9 @@ package, or else on first use into `~/.cache/mtp_jax/native` (`$XDG_CACHE_HOME` 
 its sources, compiler, jaxlib and CPU (kernels/cpu/kernel_build.py). It is registered as an FFI target. Without a
 compiler, or with `MTP_JAX_NATIVE=0`, every product stays XLA's (`status()` says why).
 
-It registers with ops/dispatch.py, which gives it the products of a program traced for a CPU without a mesh of
-several devices: every pass under batch-invariant decoding (prefills too, so that a prompt's rows get the same sums
-alone and in a batch), and otherwise passes of at most ROWS_MAX rows (decode steps and verify blocks; a long prefill
+An execution plan for one CPU device takes it (`Products.CPU_ROWS`: config/execution_plan.py, kernels/dispatch.py) for
+every pass under batch-invariant decoding (prefills too, so that a prompt's rows get the same sums alone and in a
+batch), and otherwise passes of at most ROWS_MAX rows (decode steps and verify blocks; a long prefill
 keeps XLA's GEMM) in the forms where it was measured faster than XLA's own product on this machine
 (kernels/cpu/kernel_choice.py).
 """
@@ -38,14 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.kernels.cpu import kernel_build, kernel_choice
-from mtp_jax.ops import dispatch, matmul_layout
+from mtp_jax.ops import matmul_layout
 from mtp_jax.ops.rowwise import xla_project
 from mtp_jax.ops.stacked_weights import StackedWeight, layer_value
 from mtp_jax.parallel.sharding import active_platform, one_device_active
 from mtp_jax.quant.blocked_product import quantized_einsum
 from mtp_jax.quant.quantized_array import QuantizedArray
 
-KERNEL = "cpu_rows"  # its name in ops/dispatch.py
 TARGET = "mtp_jax_row_matmul"
 SYMBOL = "MtpJaxRowMatmul"
 ATTENTION_TARGET = "mtp_jax_cache_attention"  # native/cache_attention.cc, same library (cpu_attention.py)
@@ -271,16 +270,8 @@ def _einsum_backward(equation: str, residuals, cotangent):
 einsum.defvjp(_einsum_forward, _einsum_backward)
 
 
-def _accepts(numerics: dispatch.Numerics, equation: str, x: jax.Array, weight) -> bool:
-    """The products `takes` says the kernel reads, in a program for one CPU device: all of them under
-    batch-invariant decoding, else those where it won against XLA's form here (kernels/cpu/kernel_choice.py)."""
-    if numerics.platform != "cpu" or not numerics.has(KERNEL) or not takes(equation, x, weight, numerics.invariant):
-        return False
-    return numerics.invariant or kernel_choice.kernel_wins(choice_table(), equation, x, weight)
-
-
 def choice_table() -> dict:
-    """Where the kernel beat XLA's products on this machine (kernels/cpu/kernel_choice.py), for the registered build."""
+    """Where the kernel beat XLA's products on this machine (kernels/cpu/kernel_choice.py), for the loaded build."""
     if not _REGISTERED:
         return {}
     library = _REGISTERED[0]  # the table is kept beside it where that folder can be written
@@ -289,20 +280,12 @@ def choice_table() -> dict:
 
 
 def xla_float32(equation: str, x: jax.Array, weight) -> jax.Array:
-    return xla_project(equation, x, weight, jnp.float32)
+    return xla_project(equation, x, weight, jnp.float32, invariant=False)
 
 
-def _run(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
+def run_product(equation: str, x: jax.Array, weight, out_dtype) -> jax.Array:
     """The kernel's product in a program lowered for a CPU; XLA's where the same program (traced without a mesh)
     is compiled for another device."""
     native = lambda x, w: einsum(equation, x, w).astype(out_dtype)
-    xla = functools.partial(xla_project, equation, out_dtype=out_dtype)
+    xla = functools.partial(xla_project, equation, out_dtype=out_dtype, invariant=True)  # never dequantized first
     return jax.lax.platform_dependent(x, weight, cpu=native, default=xla)
-
-
-dispatch.register_kernel(
-    KERNEL,
-    lambda platform: platform == "cpu" and status() == "ready",
-    products=dispatch.Implementation(KERNEL, _accepts, _run),
-    reads_stacks=True,
-)

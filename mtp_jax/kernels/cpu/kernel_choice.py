@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import sys
 import threading
 import time
@@ -73,17 +72,28 @@ def timed_weight(form: str, rng: np.random.Generator, transposed: bool = False):
     return dataclasses.replace(quantize_int4(w, contracting), int8_activations=form == "q4_1_int8_rows")
 
 
-def kernel_wins(table: dict, equation: str, x: jax.Array, weight) -> bool:
-    """Whether this product (x's rows by `weight`) takes the kernel: where its form, at the nearest measured row
-    count at or above its rows, ran faster through the kernel than through XLA's form (unmeasured: the kernel)."""
+def losing_products(table: dict) -> tuple[str, ...]:
+    """The "form@rows" keys of `table` where XLA's form ran faster than the kernel, sorted (an execution plan's
+    `kernel_loses`: config/execution_plan.py)."""
+    losing = [
+        (form, int(rows))
+        for form, verdicts in table.items()
+        for rows, verdict in verdicts.items()
+        if verdict["kernel_us"] > verdict["xla_us"]
+    ]
+    return tuple(f"{form}@{rows}" for form, rows in sorted(losing))
+
+
+def product_key(equation: str, x: jax.Array, weight) -> str | None:
+    """This product's key in the table: its weight's form (read transposed or not) at the nearest measured row
+    count at or above its rows; None for a form not measured (it takes the kernel)."""
     form = form_of(weight)
-    if form is None or os.environ.get(DISABLE_ENV) == "0":
-        return True
+    if form is None:
+        return None
     layer_shape = (weight.layer_shapes() if hasattr(weight, "layer_shapes") else weight).shape
     lay = matmul_layout.layout(equation, x.shape, layer_shape)
     timed = next((r for r in ROWS if r >= lay.gmkn[1]), ROWS[-1])
-    verdict = table.get(form + (TRANSPOSED_KEY if lay.transposed else ""), {}).get(str(timed))
-    return verdict is None or verdict["kernel_us"] <= verdict["xla_us"]
+    return f"{form}{TRANSPOSED_KEY if lay.transposed else ''}@{timed}"
 
 
 def table_for(library: Path, folder: Path, kernel: Callable, xla: Callable) -> dict:
