@@ -31,7 +31,7 @@ from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.dispatch import lone_rows_exact
 from mtp_jax.loading import checkpoint
 from mtp_jax.loading.hub import MODEL_HELP
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, AttentionForm, default_attention
 from mtp_jax.models.causal_lm import CausalLM, LayerStack
 from mtp_jax.ops import loops
 from mtp_jax.runtime.errors import UserError, run_cli
@@ -73,7 +73,7 @@ def trace(model: CausalLM, ids, positions, pasts, attention: str):
         attended, *new = layer.attn(normed, positions, rope, *past, attention=attention)
         residual = x + attended
         mlp_normed = layer.post_attention_norm(residual)
-        mlp_out = layer.mlp(mlp_normed, invariant=attention == "invariant")
+        mlp_out = layer.mlp(mlp_normed, invariant=attention == AttentionForm.INVARIANT)
         x = residual + mlp_out
         for name, value in zip(LAYER_STAGES, (normed, attended, residual, mlp_normed, mlp_out, x), strict=True):
             stages[f"layer {i} {name}"] = value
@@ -93,7 +93,7 @@ def _write(cache, entries, positions):
 def _prefill_and_step(model, ids, lens, next_ids, invariant: bool, slots: int):
     """Stages of the prefill of right-padded ids [B, P] and of one step of next_ids [B] at positions lens [B]."""
     batch, width = ids.shape
-    attention = "invariant" if invariant else default_attention(slots)
+    attention = AttentionForm.INVARIANT if invariant else default_attention(slots)
     pasts = _empty_pasts(model, batch, slots, attention)
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
     with traced_plan.tracing(traced_plan.resolve(model.sharding_rules, invariant)):

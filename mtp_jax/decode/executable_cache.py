@@ -5,14 +5,14 @@ lowers the decode loop before it looks (most of what a warm compile costs; measu
 and the log's sections it links). This cache finds the executable by what the trace depends on and keeps it
 serialized (`jax.experimental.serialize_executable`), so that a hit is a file read and a load.
 
-The key covers: the program's name; each argument's tree, shapes, dtypes and shardings; the static arguments'
-reprs (the model's graph definition holds its config and layout); the package's source (every .py, .cc and .h file);
-the Python, JAX and jaxlib versions; the backend's devices; every JAX setting; the `MTP_JAX_*` and `XLA_FLAGS`
-environment; the CPU row kernel's status; the tracing contexts this package sets (active sharding rules, fixed
-tiles, unrolled loops). A static value whose repr names an address only ever misses.
+The key covers: the program's name; each argument's tree, shapes, dtypes and shardings; the static arguments' reprs (the
+model's graph definition holds its config and layout); the package's source (every .py, .cc and .h file); the Python,
+JAX and jaxlib versions; the backend's devices; every JAX setting; the `MTP_JAX_*` and `XLA_FLAGS` environment; the CPU
+row kernel's status; the tracing contexts this package sets (active sharding rules, the execution plan, unrolled loops;
+a decode program's plan is in its static config too). A static value whose repr names an address only ever misses.
 
 It is used while `compile_cache.active` is on (the command-line tools), in a single process, for programs whose
-arguments all sit on one device; everything else compiles as before. A file that cannot be read back is removed
+arguments all sit on one device; everything else is compiled by JAX as usual. A file that cannot be read back is removed
 and the program compiled again. The oldest files go past MAX_FILES.
 """
 

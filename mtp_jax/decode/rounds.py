@@ -29,6 +29,7 @@ from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import AdaptiveState, DecodeStats, LoopState, gather_rows, keep_active, round_keys
 from mtp_jax.decode.sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.hybrid_stack import RecurrentForm
 from mtp_jax.models.kv_cache import KVCache
 
 
@@ -180,7 +181,7 @@ def verify(ctx: RoundContext, s: LoopState, drafts: jax.Array, draft_probs: jax.
     inputs = jnp.concatenate([s.pending[:, None], drafts], axis=1)  # [B, j+1]
     positions = s.position[:, None] + jnp.arange(j + 1)
     # A plain step (no drafts) keeps its one state; a verify block its inputs, until acceptance is known.
-    recurrent = "every_state" if j else "last_state"
+    recurrent = RecurrentForm.EVERY_STATE if j else RecurrentForm.LAST_STATE
     if feeds_mtp:
         hidden, draft_hidden, cache = model.trunk_for_drafts(inputs, positions, cache, recurrent=recurrent)
     else:

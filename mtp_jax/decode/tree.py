@@ -45,6 +45,7 @@ from mtp_jax.decode.sampling import probabilities, sample
 from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree, ancestry
 from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.hybrid_stack import RecurrentForm
 from mtp_jax.models.kv_cache import GroupCache, move_slots
 
 
@@ -179,7 +180,7 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     block = BlockTree.of(parents, depth)
     hybrid = model.config.is_hybrid  # its recurrent layers keep the block's inputs until the path is known
     positions = s.position[:, None] + block.depths  # [B, N+1]
-    recurrent = "every_state" if hybrid else "last_state"
+    recurrent = RecurrentForm.EVERY_STATE if hybrid else RecurrentForm.LAST_STATE
     hidden, draft_hidden, cache = model.trunk_for_drafts(inputs, positions, s.cache, recurrent=recurrent,
                                                          block_tree=block)  # fmt: skip
     logits = model.logits(hidden)  # [B, N+1, V]

@@ -110,7 +110,7 @@ def keeps_gguf_blocks(weights: str, rules: ShardingRules | None) -> bool:
     stored (a CPU, one device). Elsewhere XLA would unpack them into full-size arrays before each dot (on TPU, many
     times the stored bytes moved; measured:
     docs/benchmarks-log.md#4-bit-weights-and-the-ggufs-own-blocks-085x-llamacpp-at-batch-1-cpu), so they are
-    dequantized on load as before."""
+    dequantized on load."""
     one_device = rules is None or rules.mesh.devices.size == 1
     return weights == "auto" and jax.default_backend() == "cpu" and one_device
 

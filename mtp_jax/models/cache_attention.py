@@ -2,7 +2,7 @@
 itself, with one softmax over both.
 
 A cache is sized for the longest sequence a call may reach, so early in a long generation most of it is empty. A
-cache says how it is attended (its static `attention` field, one of ATTENTION_FORMS, chosen when it is made:
+cache says how it is attended (its static `attention` field, one of AttentionForm, chosen when it is made:
 mtp_jax.decode.speculative.decode_attention for decoding). "chunked" (a cache of whole ATTENTION_CHUNK slots): attention
 runs over it chunk by chunk with an online softmax (`attend_in_chunks`: grouped-query attention here, latent
 attention in mla.py) and skips every chunk past the slots any row can see: its cost follows the longest row's length,
@@ -27,6 +27,8 @@ the M * B rows of every shard.
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -37,7 +39,14 @@ from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.parallel.sharding import CACHE, HEADS, constrain, constrain_beside_slots, slot_shards
 
 ATTENTION_CHUNK = 256  # cache slots per step of the chunked pass
-ATTENTION_FORMS = ("one_pass", "chunked", "invariant")  # how a cache is attended (module docstring)
+
+
+class AttentionForm(enum.Enum):
+    """How a cache is attended (module docstring)."""
+
+    ONE_PASS = "one_pass"
+    CHUNKED = "chunked"
+    INVARIANT = "invariant"
 
 
 @struct.dataclass
@@ -103,20 +112,23 @@ def _shard_major(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def default_attention(slots: int) -> str:
+def default_attention(slots: int) -> AttentionForm:
     """The form a cache of `slots` slots is attended in when its maker does not say: chunked when it is more than one
     whole chunk, one pass otherwise."""
-    return "chunked" if slots > ATTENTION_CHUNK and slots % ATTENTION_CHUNK == 0 else "one_pass"
+    return AttentionForm.CHUNKED if slots > ATTENTION_CHUNK and slots % ATTENTION_CHUNK == 0 else AttentionForm.ONE_PASS
 
 
-def checked_attention(attention: str | None, slots: int) -> str:
+def checked_attention(attention: AttentionForm | None, slots: int) -> AttentionForm:
     """The form of a new cache of `slots` slots: `attention`, or `default_attention(slots)` when None; an unknown form,
     or a chunked or invariant one over a cache that is not whole chunks, is refused."""
     attention = attention or default_attention(slots)
-    if attention not in ATTENTION_FORMS:
-        raise ValueError(f"unknown attention form {attention!r}; known: {', '.join(ATTENTION_FORMS)}")
-    if attention != "one_pass" and slots % ATTENTION_CHUNK:
-        raise ValueError(f"{attention} attention reads whole chunks of {ATTENTION_CHUNK} slots, not a cache of {slots}")
+    if not isinstance(attention, AttentionForm):
+        known = ", ".join(form.name for form in AttentionForm)
+        raise ValueError(f"unknown attention form {attention!r}; known: AttentionForm's {known}")
+    if attention is not AttentionForm.ONE_PASS and slots % ATTENTION_CHUNK:
+        raise ValueError(
+            f"{attention.value} attention reads whole chunks of {ATTENTION_CHUNK} slots, not a cache of {slots}"
+        )
     return attention
 
 
@@ -170,7 +182,7 @@ def grouped_attention(
     past_k: jax.Array | LayerSlots,  # [B, S, K, H] the cache; slots >= positions[:, 0] are ignored
     past_v: jax.Array | LayerSlots,  # [B, S, K, H]
     visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-    attention: str = "one_pass",  # the cache's form (ATTENTION_FORMS)
+    attention: AttentionForm = AttentionForm.ONE_PASS,  # the cache's form
     block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
 ) -> jax.Array:
     """[B, T, N, H]: each query head attends, with its kv head, to the cache before the block and to the block
@@ -185,7 +197,7 @@ def grouped_attention(
     xla_form = lambda: _grouped_attention(
         q, k, v, positions, past_k, past_v, visible_from, attention, shards, block_mask
     )
-    decode_pass = attention != "invariant"
+    decode_pass = attention != AttentionForm.INVARIANT
     kernel = attention_implementation(q, past_k, shards, whole_pass=False) if decode_pass else None
     if kernel is not None:
         b, t, n, h = q.shape
@@ -196,17 +208,17 @@ def grouped_attention(
 
 
 def _grouped_attention(
-    q, k, v, positions, past_k, past_v, visible_from, attention: str, shards: int, block_mask=None
+    q, k, v, positions, past_k, past_v, visible_from, attention: AttentionForm, shards: int, block_mask=None
 ) -> jax.Array:
     """`grouped_attention` in XLA's ops (the batch-invariant form: the CPU kernel where it takes it)."""
-    invariant = attention == "invariant"
+    invariant = attention == AttentionForm.INVARIANT
     b, t, n, h = q.shape
     slots = past_k.shape[1]
     if shards > 1:
         q = constrain_beside_slots(q, CACHE[1:], past_k.shape, ATTENTION_CHUNK)
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
     f32 = jnp.float32
-    if attention != "one_pass":
+    if attention != AttentionForm.ONE_PASS:
         q_rows = jnp.tile(q, (shards, 1, 1, 1, 1))  # [M * B, T, K, G, H]: each row's queries beside each shard
         run_starts = whole_chunk_runs(slots, shards) if invariant else None
         entries = (k.astype(past_k.dtype), v.astype(past_v.dtype))  # as the cache will hold them

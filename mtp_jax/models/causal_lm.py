@@ -21,8 +21,8 @@ from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.dispatch import project
 from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
-from mtp_jax.models.cache_attention import layer_entries
-from mtp_jax.models.hybrid_stack import GroupStack
+from mtp_jax.models.cache_attention import AttentionForm, layer_entries
+from mtp_jax.models.hybrid_stack import GroupStack, RecurrentForm
 from mtp_jax.models.kv_cache import GroupCache, attention_cache, write_slots
 from mtp_jax.models.layers import DecoderLayer, init_weight, model_norm, rope_inverse_frequencies, rope_tables
 from mtp_jax.ops import loops
@@ -63,12 +63,20 @@ class LayerStack(nnx.Module):
         if not isinstance(self.layers, nnx.List):
             self.layers = nnx.List(loops.unstacked_modules(self.layers, self.num_layers))
 
-    def new_cache(self, batch: int, slots: int, dtype, attention: str | None = None):
+    def new_cache(self, batch: int, slots: int, dtype, attention: AttentionForm | None = None):
         """An empty cache for this stack: KVCache [L, B, S, K, H] (GQA) or LatentCache [L, B, S, C] (MLA)."""
         return attention_cache(self.kind, self.num_layers, batch, slots, self.config, dtype, attention)
 
     def __call__(
-        self, x, positions, rope, cache, lengths=None, recurrent: str = "chunked", visible_from=None, block_mask=None
+        self,
+        x,
+        positions,
+        rope,
+        cache,
+        lengths=None,
+        recurrent: RecurrentForm = RecurrentForm.CHUNKED,
+        visible_from=None,
+        block_mask=None,
     ):
         """x [B, T, D] through every layer; returns (x, the cache with this block's entries at slots
         positions[:, 0] onwards, one after another). `lengths` and `recurrent` concern recurrent layers only
@@ -194,14 +202,14 @@ class CausalLM(nnx.Module):
     def dtype(self):
         return self.embed.dtype
 
-    def new_cache(self, batch: int, slots: int, attention: str | None = None):
+    def new_cache(self, batch: int, slots: int, attention: AttentionForm | None = None):
         """An empty trunk cache in the model's dtype, per segment: KVCache [L, B, S, K, H] keys and values (GQA) or
         LatentCache [L, B, S, C] (MLA), or a GroupCache (hybrid layer groups: keys and values, DeltaNet states), one per
         segment in a tuple. `attention`: the attention caches' form
-        (models/cache_attention.py: ATTENTION_FORMS; None: `default_attention(slots)`)."""
+        (models/cache_attention.py: AttentionForm; None: `default_attention(slots)`)."""
         return tuple(segment.new_cache(batch, slots, self.dtype, attention) for segment in self.segments)
 
-    def new_mtp_cache(self, batch: int, slots: int, attention: str | None = None):
+    def new_mtp_cache(self, batch: int, slots: int, attention: AttentionForm | None = None):
         """An empty MTP-block cache: KVCache [L, B, S, K, H] or LatentCache [L, B, S, C], L = `mtp.block_layers`."""
         return self.mtp.block.new_cache(batch, slots, self.dtype, attention)
 
@@ -218,7 +226,7 @@ class CausalLM(nnx.Module):
         positions: jax.Array,  # [B, T]
         cache,
         lengths: jax.Array | None = None,  # [B] valid tokens of right-padded rows (prefill); None: all T
-        recurrent: str = "chunked",
+        recurrent: RecurrentForm = RecurrentForm.CHUNKED,
         block_tree: BlockTree | None = None,  # a draft tree's block (decode/tree.py); None: a causal block
     ) -> tuple[jax.Array, object]:
         """Final-normed hidden [B, T, D] for tokens [B, T] at positions [B, T]; the cache gains their entries.
@@ -233,7 +241,7 @@ class CausalLM(nnx.Module):
         hidden, _, cache = self._trunk(tokens, positions, cache, lengths, recurrent, block_tree, taps=())
         return hidden, cache
 
-    def trunk_for_drafts(self, tokens, positions, cache, lengths=None, recurrent: str = "chunked",
+    def trunk_for_drafts(self, tokens, positions, cache, lengths=None, recurrent: RecurrentForm = RecurrentForm.CHUNKED,
                          block_tree: BlockTree | None = None) -> tuple[jax.Array, jax.Array, object]:  # fmt: skip
         """`trunk`, also giving the hidden the MTP layer pairs with the next token: (final-normed hidden [B, T, D],
         draft hidden [B, T, D], cache). The draft hidden is the final one, or with `mtp.fused_layers` its fusion
@@ -245,7 +253,7 @@ class CausalLM(nnx.Module):
     def trunk_taps(self, tokens, positions, cache, taps: tuple[int, ...]) -> tuple[jax.Array, jax.Array | None]:
         """(final-normed hidden [B, T, D], the outputs of trunk layers `taps` [B, T, N, D] or None without taps) of a
         pass from `cache`: what a head with fused features trains on."""
-        hidden, tapped, _ = self._trunk(tokens, positions, cache, None, "chunked", None, taps=taps)
+        hidden, tapped, _ = self._trunk(tokens, positions, cache, None, RecurrentForm.CHUNKED, None, taps=taps)
         return hidden, tapped
 
     def _trunk(self, tokens, positions, cache, lengths, recurrent, block_tree, taps: tuple[int, ...]):

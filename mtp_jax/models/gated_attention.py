@@ -17,7 +17,7 @@ from flax import nnx
 
 from mtp_jax.config.model import ModelConfig
 from mtp_jax.kernels.dispatch import project
-from mtp_jax.models.cache_attention import grouped_attention
+from mtp_jax.models.cache_attention import AttentionForm, grouped_attention
 from mtp_jax.models.layers import Attention, apply_rope
 
 
@@ -36,7 +36,7 @@ class GatedAttention(Attention):
         past_k: jax.Array,  # [B, S, K, H]
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-        attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
+        attention: AttentionForm = AttentionForm.ONE_PASS,  # the cache's form (models/cache_attention.py)
         block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""

@@ -2,7 +2,7 @@
 layer) repeated R times, with the parameters of each layer of the group stacked over the repeats and one
 `lax.scan` over the repeats, so a 48- or 64-layer trunk compiles one group body.
 
-A DeltaNet layer runs in one of three forms (`RECURRENT_FORMS`), chosen by the caller of the trunk:
+A DeltaNet layer runs in one of three forms (`RecurrentForm`), chosen by the caller of the trunk:
   "chunked" (prefill; chunked delta rule): each row's state after its own last valid token (`lengths`);
   "every_state" (verify; recurrent): what gives the state after any block position (`VerifiedBlock`), for
                 `GroupCache.keep_verified`;
@@ -12,6 +12,8 @@ Attention layers write their keys and values at their positions as in models/cau
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,7 +21,7 @@ from flax import nnx
 from mtp_jax.config.model import LayerKind, ModelConfig
 from mtp_jax.kernels import traced_plan
 from mtp_jax.models.blocks import ATTENTION_BLOCKS, MLP_BLOCKS
-from mtp_jax.models.cache_attention import checked_attention, layer_entries
+from mtp_jax.models.cache_attention import AttentionForm, checked_attention, layer_entries
 from mtp_jax.models.gated_deltanet import DeltaNetState, GatedDeltaNet
 from mtp_jax.models.kv_cache import GroupCache, KVCache, TreeEntries, deltanet_states, write_slots
 from mtp_jax.models.layers import DecoderLayer, model_norm
@@ -27,7 +29,13 @@ from mtp_jax.ops import loops
 from mtp_jax.ops.stacked_weights import layer_parameters, split_stack, stack_split_of
 from mtp_jax.parallel.sharding import HIDDEN, constrain
 
-RECURRENT_FORMS = ("chunked", "every_state", "last_state")
+
+class RecurrentForm(enum.Enum):
+    """What a DeltaNet layer's pass keeps of its state (module docstring)."""
+
+    CHUNKED = "chunked"
+    EVERY_STATE = "every_state"
+    LAST_STATE = "last_state"
 
 
 class DeltaNetLayer(nnx.Module):
@@ -39,7 +47,7 @@ class DeltaNetLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, state: DeltaNetState, lengths, recurrent: str, invariant: bool = False, tree=None):
+    def __call__(self, x, state: DeltaNetState, lengths, recurrent: RecurrentForm, invariant: bool = False, tree=None):
         """x [B, T, D] -> (x, the state `recurrent` names: after each row's `lengths` tokens ("chunked"), what
         gives the state after any position ("every_state": a VerifiedBlock), after the last position
         ("last_state")). `invariant`: the MLP's batch-invariant form (the delta rule's sums are each row's own in
@@ -47,10 +55,12 @@ class DeltaNetLayer(nnx.Module):
         x = constrain(x, HIDDEN)
         normed = self.input_norm(x)
         with jax.named_scope("attention"):
-            if recurrent == "chunked":
+            if recurrent == RecurrentForm.CHUNKED:
                 out, state = self.attn.prefill(normed, state, lengths)
             else:
-                out, state = self.attn.verify(normed, state, every_position=recurrent == "every_state", tree=tree)
+                out, state = self.attn.verify(
+                    normed, state, every_position=recurrent == RecurrentForm.EVERY_STATE, tree=tree
+                )
         x = x + constrain(out, HIDDEN)
         with jax.named_scope("mlp"):
             x = x + constrain(self.mlp(self.post_attention_norm(x), invariant=invariant), HIDDEN)
@@ -94,7 +104,7 @@ class GroupStack(nnx.Module):
                 [nnx.List(loops.unstacked_modules(member, self.repeats)) for member in self.members]
             )
 
-    def new_cache(self, batch: int, slots: int, dtype, attention: str | None = None) -> GroupCache:
+    def new_cache(self, batch: int, slots: int, dtype, attention: AttentionForm | None = None) -> GroupCache:
         """Empty caches: KVCache [R, B, S, K, H] per attention layer (attended in form `attention`), zero
         DeltaNetStates [R, B, ...] per DeltaNet."""
         attention = checked_attention(attention, slots)
@@ -107,15 +117,22 @@ class GroupStack(nnx.Module):
         return GroupCache(members=members, attention=attention).constrained()
 
     def __call__(
-        self, x, positions, rope, cache: GroupCache, lengths=None, recurrent: str = "chunked", block_tree=None
+        self,
+        x,
+        positions,
+        rope,
+        cache: GroupCache,
+        lengths=None,
+        recurrent: RecurrentForm = RecurrentForm.CHUNKED,
+        block_tree=None,
     ):
         """x [B, T, D] through every repeat of the group; returns (x, the cache after these tokens: attention entries
         written at slots positions[:, 0] onwards, DeltaNet states as the `recurrent` form gives them). A draft
         tree's block (`block_tree`, a BlockTree: positions go by depth) takes the "every_state" form, its attention
         entries held apart (TreeEntries) until `GroupCache.keep_verified` writes the accepted path's."""
-        if recurrent not in RECURRENT_FORMS:
-            raise ValueError(f"recurrent form {recurrent!r}: expected one of {', '.join(RECURRENT_FORMS)}")
-        if block_tree is not None and recurrent != "every_state":
+        if not isinstance(recurrent, RecurrentForm):
+            raise ValueError(f"recurrent form {recurrent!r}: expected a RecurrentForm")
+        if block_tree is not None and recurrent != RecurrentForm.EVERY_STATE:
             raise ValueError(f"a draft tree's block keeps what gives every entry's state, not {recurrent!r}")
         block_mask = None if block_tree is None else block_tree.mask
         past = cache.constrained().members
@@ -129,7 +146,9 @@ class GroupStack(nnx.Module):
             for j, (kind, layer) in enumerate(zip(self.kinds, layers, strict=True)):
                 with jax.named_scope(f"layer_{j}"):
                     if kind.attention == "deltanet":
-                        x, state = layer(x, repeat_states[j], lengths, recurrent, attention == "invariant", block_tree)
+                        x, state = layer(
+                            x, repeat_states[j], lengths, recurrent, attention == AttentionForm.INVARIANT, block_tree
+                        )
                         new.append(state)
                     else:
                         keys, values = layer_entries(past[j].k, repeat), layer_entries(past[j].v, repeat)
@@ -162,4 +181,4 @@ class GroupStack(nnx.Module):
                 k, v = entry
                 members.append(old.replace(k=write_slots(old.k, k, positions), v=write_slots(old.v, v, positions)))
         updated = GroupCache(members=tuple(members), attention=cache.attention)
-        return x, (updated if recurrent == "every_state" else updated.constrained())
+        return x, (updated if recurrent == RecurrentForm.EVERY_STATE else updated.constrained())

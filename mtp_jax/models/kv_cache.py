@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.config.model import LayerKind, ModelConfig
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, checked_attention
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, AttentionForm, checked_attention
 from mtp_jax.models.gated_deltanet import DeltaNetState, VerifiedBlock
 from mtp_jax.ops import loops
 from mtp_jax.parallel.sharding import (
@@ -166,7 +166,9 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
-    attention: str = struct.field(pytree_node=False, default="one_pass")  # how it is attended: ATTENTION_FORMS
+    attention: AttentionForm = struct.field(
+        pytree_node=False, default=AttentionForm.ONE_PASS
+    )  # how it is attended: AttentionForm
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None) -> KVCache:
@@ -176,7 +178,7 @@ class KVCache:
 
     @property
     def invariant(self) -> bool:
-        return self.attention == "invariant"
+        return self.attention == AttentionForm.INVARIANT
 
     def constrained(self) -> KVCache:
         """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data, kv_heads -> model,
@@ -201,7 +203,9 @@ class LatentCache:
     """
 
     latent: jax.Array
-    attention: str = struct.field(pytree_node=False, default="one_pass")  # how it is attended: ATTENTION_FORMS
+    attention: AttentionForm = struct.field(
+        pytree_node=False, default=AttentionForm.ONE_PASS
+    )  # how it is attended: AttentionForm
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, cfg: ModelConfig, dtype, attention=None) -> LatentCache:
@@ -211,7 +215,7 @@ class LatentCache:
 
     @property
     def invariant(self) -> bool:
-        return self.attention == "invariant"
+        return self.attention == AttentionForm.INVARIANT
 
     def constrained(self) -> LatentCache:
         """This cache pinned to its layout (`_pinned`): under active sharding rules batch -> data and, when long, its
@@ -275,12 +279,14 @@ class GroupCache:
     entries are `TreeEntries` until then too."""
 
     members: tuple
-    attention: str = struct.field(pytree_node=False, default="one_pass")  # its attention members' form
+    attention: AttentionForm = struct.field(
+        pytree_node=False, default=AttentionForm.ONE_PASS
+    )  # its attention members' form
 
     @property
     def invariant(self) -> bool:
         """Whether its attention caches are attended in the batch-invariant form (and its layers run so)."""
-        return self.attention == "invariant"
+        return self.attention == AttentionForm.INVARIANT
 
     def constrained(self) -> GroupCache:
         """Pinned to its layout under active sharding rules: rows over data, kv heads and value heads over model."""
@@ -313,14 +319,14 @@ class GroupCache:
         return self.replace(members=tuple(keep(e, o) for e, o in zip(self.members, before.members, strict=True)))
 
 
-def decode_attention(prompt_width: int, cfg: DecodeConfig) -> str:
+def decode_attention(prompt_width: int, cfg: DecodeConfig) -> AttentionForm:
     """The form decoding attends its caches in (models/cache_attention.py): "invariant" for batch-invariant decoding
     (`cfg.invariant`); "chunked" when prompt and budget pass one attention chunk, so that attention reads only the
     chunks holding visible slots; "one_pass" otherwise. The choice ignores k, so plain and MTP decoding of the same
     prompts and budget attend alike."""
     if cfg.invariant:
-        return "invariant"
-    return "chunked" if prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK else "one_pass"
+        return AttentionForm.INVARIANT
+    return AttentionForm.CHUNKED if prompt_width + cfg.max_new_tokens + 1 > ATTENTION_CHUNK else AttentionForm.ONE_PASS
 
 
 def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
@@ -329,6 +335,6 @@ def cache_slots(prompt_width: int, cfg: DecodeConfig, shards: int = 1) -> int:
     (`decode_attention`), to whole chunks on each of `shards` (M) shards of a cache split over its slots
     (`long_cache_shards`). Chunks a row cannot see yet are skipped, so extra ones change nothing."""
     needed = prompt_width + cfg.max_new_tokens + cfg.round_slots
-    if decode_attention(prompt_width, cfg) == "one_pass":
+    if decode_attention(prompt_width, cfg) == AttentionForm.ONE_PASS:
         return -(-needed // 16) * 16
     return -(-needed // (shards * ATTENTION_CHUNK)) * shards * ATTENTION_CHUNK

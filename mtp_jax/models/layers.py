@@ -15,7 +15,7 @@ from flax import nnx
 
 from mtp_jax.config.model import ModelConfig, RopeConfig
 from mtp_jax.kernels.dispatch import project
-from mtp_jax.models.cache_attention import grouped_attention
+from mtp_jax.models.cache_attention import AttentionForm, grouped_attention
 from mtp_jax.models.norms import ZeroCenteredRMSNorm
 from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.parallel.sharding import HIDDEN, constrain
@@ -145,7 +145,7 @@ class Attention(nnx.Module):
         past_k: jax.Array,  # [B, S, K, H] this layer's cache; slots >= positions[:, 0] are ignored
         past_v: jax.Array,  # [B, S, K, H]
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-        attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
+        attention: AttentionForm = AttentionForm.ONE_PASS,  # the cache's form (models/cache_attention.py)
         block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(output [B, T, D], this block's keys [B, T, K, H], values [B, T, K, H]) — the caller stores them."""
@@ -207,7 +207,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = model_norm(cfg, cfg.hidden_size, dtype=dtype)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, rope, *past, visible_from=None, attention: str = "one_pass", block_mask=None):
+    def __call__(
+        self,
+        x,
+        positions,
+        rope,
+        *past,
+        visible_from=None,
+        attention: AttentionForm = AttentionForm.ONE_PASS,
+        block_mask=None,
+    ):
         """x [B, T, D] and this layer's cache arrays -> (x, *this block's cache entries).
 
         GQA: past = (keys, values) [B, S, K, H], new keys and values [B, T, K, H]. MLA: past = (latents [B, S, C],),
@@ -223,6 +232,6 @@ class DecoderLayer(nnx.Module):
             )
         x = x + constrain(attn_out, HIDDEN)
         with jax.named_scope("mlp"):
-            invariant = attention == "invariant"
+            invariant = attention == AttentionForm.INVARIANT
             x = x + constrain(self.mlp(self.post_attention_norm(x), invariant=invariant), HIDDEN)
         return (x, *new)

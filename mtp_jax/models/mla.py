@@ -27,6 +27,7 @@ from mtp_jax.config.model import ModelConfig, RopeConfig
 from mtp_jax.kernels.dispatch import attention_rows_exact, float32_product, product, project, row_product
 from mtp_jax.models.cache_attention import (
     ATTENTION_CHUNK,
+    AttentionForm,
     LayerSlots,
     attend_in_chunks,
     attend_written_cache,
@@ -117,7 +118,7 @@ class MultiHeadLatentAttention(nnx.Module):
         past: jax.Array | LayerSlots,  # [B, S, C] this layer's latent cache; slots >= positions[:, 0] are ignored
         absorb: bool | None = None,
         visible_from: jax.Array | None = None,  # [B]: slots before it are ignored too
-        attention: str = "one_pass",  # the cache's form (models/cache_attention.py: ATTENTION_FORMS)
+        attention: AttentionForm = AttentionForm.ONE_PASS,  # the cache's form (models/cache_attention.py)
         block_mask: jax.Array | None = None,  # [B, T, T]: the block entries each query sees (None: causally)
     ) -> tuple[jax.Array, jax.Array]:
         """(output [B, T, D], this block's latents [B, T, C]); `absorb` None picks the cheaper way for the block's
@@ -128,7 +129,7 @@ class MultiHeadLatentAttention(nnx.Module):
         q_rope = apply_rope(q[..., self.nope_dim :], *rope, interleaved=self.interleaved)  # [B, T, N, P]
         block = self.latents(x, rope)  # [B, T, C]
         shards = slot_shards(LATENT_CACHE[1:], past.shape, ATTENTION_CHUNK)
-        invariant = attention == "invariant"
+        invariant = attention == AttentionForm.INVARIANT
         if absorb is None:
             absorb = invariant or shards > 1 or self.absorbs(x.shape[1])
         if invariant and not absorb:
@@ -140,7 +141,7 @@ class MultiHeadLatentAttention(nnx.Module):
             out = self._absorbed_invariant(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards)
         else:
             attend = self._absorbed if absorb else self._expanded
-            chunked = attention == "chunked"
+            chunked = attention == AttentionForm.CHUNKED
             out = attend(q_nope, q_rope, past, block, positions, visible_from, x.dtype, shards, chunked, block_mask)
         return project("BTNW,NWD->BTD", out, self.o_proj.get_value()), block
 

@@ -15,6 +15,7 @@ from mtp_jax.decode import memory
 from mtp_jax.decode.engine import Engine, Request
 from mtp_jax.decode.prefill import PromptPart, prefill, prefill_part
 from mtp_jax.kernels import traced_plan
+from mtp_jax.models.cache_attention import AttentionForm
 from mtp_jax.runtime import compile_cache
 from tests.support.hybrid_models import predictable_hybrid_model
 from tests.support.prompts import padded_prompts
@@ -110,7 +111,7 @@ def test_a_prompt_prefilled_in_chunks_holds_the_caches_of_one_prefill(family):
     model = MODELS[family]()
     cfg = mtp_jax.DecodeConfig(num_draft=2, max_new_tokens=8, invariant=True)
     ids = jnp.asarray(np.tile(PROMPTS[7, :11], (2, 1)))  # [2, 11]: two rows (a lone row sums otherwise)
-    slots, form = 256, "invariant"
+    slots, form = 256, AttentionForm.INVARIANT
 
     def whole():
         with traced_plan.tracing(traced_plan.resolve(invariant=True)):

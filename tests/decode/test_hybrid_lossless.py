@@ -16,6 +16,7 @@ from mtp_jax.config import execution_plan
 from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree
 from mtp_jax.models.gated_deltanet import DeltaNetState
+from mtp_jax.models.hybrid_stack import RecurrentForm
 from mtp_jax.models.kv_cache import GroupCache
 from tests.support.hybrid_models import predictable_hybrid_model
 from tests.support.prompts import padded_prompts
@@ -148,7 +149,7 @@ def test_kept_state_after_a_verify_block_equals_prefill_state(model):
         positions = jnp.broadcast_to(jnp.arange(prompts.shape[1]), prompts.shape)
         _, cache = model.trunk(prompts, positions, model.new_cache(len(lens), slots), lengths=lens)
         block_positions = lens[:, None] + jnp.arange(block)
-        _, verified = model.trunk(tokens, block_positions, cache, recurrent="every_state")
+        _, verified = model.trunk(tokens, block_positions, cache, recurrent=RecurrentForm.EVERY_STATE)
         return cache, model.keep_verified(cache, verified, accepted, active)
 
     before, kept = run(PROMPTS, PROMPT_LENS, tokens)
@@ -174,7 +175,7 @@ def test_kept_state_after_a_tree_block_equals_prefill_of_its_path(model):
         positions = jnp.broadcast_to(jnp.arange(prompts.shape[1]), prompts.shape)
         _, cache = model.trunk(prompts, positions, model.new_cache(len(lens), slots), lengths=lens)
         block_positions = lens[:, None] + tree.depths
-        _, verified = model.trunk(tokens, block_positions, cache, recurrent="every_state", block_tree=tree)
+        _, verified = model.trunk(tokens, block_positions, cache, recurrent=RecurrentForm.EVERY_STATE, block_tree=tree)
         return cache, model.keep_verified(cache, verified, accepted, active, path)
 
     before, kept = run(PROMPTS, PROMPT_LENS, tokens)

@@ -18,6 +18,7 @@ import pytest
 from mtp_jax.kernels.cpu import cpu_attention, cpu_rows
 from mtp_jax.kernels.traced_plan import resolve, tracing
 from mtp_jax.models import cache_attention
+from mtp_jax.models.cache_attention import AttentionForm
 
 pytestmark = [
     pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here"),
@@ -35,11 +36,11 @@ def inputs(t: int, seed: int = 0):
     return q, normal(B, t, K, H), normal(B, t, K, H), starts[:, None] + jnp.arange(t), normal(L, B, S, K, H)
 
 
-def attend(fused: bool, q, k, v, positions, stack_k, stack_v, visible_from, stacked=True, form="invariant"):
+def attend(fused: bool, q, k, v, positions, stack_k, stack_v, visible_from, stacked=True, form=AttentionForm.INVARIANT):
     past = [cache_attention.LayerSlots(s, jnp.int32(1)) if stacked else s[1] for s in (stack_k, stack_v)]
 
     def run(q, k, v, positions, visible_from):
-        with tracing(resolve(invariant=form == "invariant")):
+        with tracing(resolve(invariant=form == AttentionForm.INVARIANT)):
             return cache_attention.grouped_attention(q, k, v, positions, *past, visible_from, form)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -48,13 +49,13 @@ def attend(fused: bool, q, k, v, positions, stack_k, stack_v, visible_from, stac
         return np.asarray(jax.jit(run)(q, k, v, positions, visible_from))
 
 
-@pytest.mark.parametrize("form", ["invariant", "chunked", "one_pass"])
+@pytest.mark.parametrize("form", [AttentionForm.INVARIANT, AttentionForm.CHUNKED, AttentionForm.ONE_PASS])
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("from_slot", [None, 5])
 def test_fused_attention_matches_the_xla_forms(form, t, stacked, from_slot):
     q, k, v, positions, stack_k = inputs(t)
-    if form == "one_pass":  # a cache of less than a chunk
+    if form == AttentionForm.ONE_PASS:  # a cache of less than a chunk
         stack_k, positions = stack_k[:, :, :200], positions % 190
     stack_v = stack_k[::-1] * 0.5
     visible_from = None if from_slot is None else jnp.asarray([from_slot, 0, 0], jnp.int32)
@@ -72,7 +73,7 @@ def test_fused_attention_gradients_are_the_xla_forms():
         with pytest.MonkeyPatch.context() as patch:
             if not fused:
                 patch.setattr(cpu_attention, "takes", lambda *args: False)
-            out = cache_attention.grouped_attention(q, k, v, positions, *past, None, "chunked")
+            out = cache_attention.grouped_attention(q, k, v, positions, *past, None, AttentionForm.CHUNKED)
             return jnp.sum(jnp.sin(out))
 
     grads = [jax.grad(functools.partial(loss, f), argnums=(0, 1, 2, 3, 4))(q, k, v, stack_k, stack_v) for f in (1, 0)]
@@ -80,7 +81,7 @@ def test_fused_attention_gradients_are_the_xla_forms():
         np.testing.assert_allclose(np.asarray(fused), np.asarray(xla), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("form", ["invariant", "chunked"])
+@pytest.mark.parametrize("form", [AttentionForm.INVARIANT, AttentionForm.CHUNKED])
 def test_fused_attention_is_the_same_bits_alone_and_in_any_pass(form):
     q, k, v, positions, stack_k = inputs(4, seed=1)
     stack_v = stack_k * -1.5

@@ -11,7 +11,7 @@ import pytest
 from mtp_jax.config import execution_plan
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.kernels import traced_plan
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK, default_attention, grouped_attention
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, AttentionForm, default_attention, grouped_attention
 from mtp_jax.models.kv_cache import cache_slots, decode_attention
 
 B, T, N, K, H = 3, 4, 6, 2, 8
@@ -72,7 +72,7 @@ def test_a_cache_of_one_chunk_attended_chunked_matches_numpy():
     q, k, v, positions, past_k, past_v = inputs(ATTENTION_CHUNK, (0, 17, ATTENTION_CHUNK - T))
     visible_from = np.array([0, 3, 100], np.int32)
     with traced_plan.tracing(execution_plan.xla_only("cpu")):
-        got = grouped_attention(q, k, v, positions, past_k, past_v, visible_from, "chunked")
+        got = grouped_attention(q, k, v, positions, past_k, past_v, visible_from, AttentionForm.CHUNKED)
     np.testing.assert_allclose(got, reference(q, k, v, positions, past_k, past_v, visible_from), atol=2e-5)
 
 
@@ -87,8 +87,8 @@ def test_chunked_attention_is_differentiable_like_one_pass():
         out = grouped_attention(q, k, v, positions, past_k[:, :cache_slots], past_v[:, :cache_slots], None, attention)
         return jnp.sum(jnp.sin(out))
 
-    chunked = jax.grad(loss, argnums=(0, 1))(q, past_k, slots, "chunked")
-    one_pass = jax.grad(loss, argnums=(0, 1))(q, past_k, slots - 16, "one_pass")
+    chunked = jax.grad(loss, argnums=(0, 1))(q, past_k, slots, AttentionForm.CHUNKED)
+    one_pass = jax.grad(loss, argnums=(0, 1))(q, past_k, slots - 16, AttentionForm.ONE_PASS)
     np.testing.assert_allclose(chunked[0], one_pass[0], atol=2e-5)
     np.testing.assert_allclose(chunked[1], one_pass[1], atol=2e-5)  # [B, S, K, H]
     assert np.asarray(chunked[1][:, : positions[:, 0].max()]).any()
@@ -107,8 +107,8 @@ def test_plain_and_mtp_caches_take_the_same_attention_path():
                 slots = cache_slots(prompt, cfg)
                 assert slots >= prompt + budget + k + 1 and slots % 16 == 0
                 assert decode_attention(prompt, cfg) == plain, (prompt, budget, k)
-                assert plain == "one_pass" or slots % ATTENTION_CHUNK == 0
-            assert (plain == "chunked") == (prompt + budget + 1 > ATTENTION_CHUNK)
+                assert plain == AttentionForm.ONE_PASS or slots % ATTENTION_CHUNK == 0
+            assert (plain == AttentionForm.CHUNKED) == (prompt + budget + 1 > ATTENTION_CHUNK)
 
 
 def test_caches_split_over_slots_hold_whole_chunks_per_shard():
@@ -124,4 +124,7 @@ def test_caches_split_over_slots_hold_whole_chunks_per_shard():
                     if prompt + budget + 1 > ATTENTION_CHUNK:
                         assert slots % (shards * ATTENTION_CHUNK) == 0 and slots >= shards * ATTENTION_CHUNK
                     else:
-                        assert slots == cache_slots(prompt, cfg) and decode_attention(prompt, cfg) == "one_pass"
+                        assert (
+                            slots == cache_slots(prompt, cfg)
+                            and decode_attention(prompt, cfg) == AttentionForm.ONE_PASS
+                        )

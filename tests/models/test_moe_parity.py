@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mtp_jax.families.registry import model_config_from_hf
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, AttentionForm
 from mtp_jax.models.moe import DENSE_EXPERT_ROWS, MoE, routed_experts
 from tests.support.long_cache import check_logits_after_a_long_cache
 from tests.support.moe_models import FAMILIES, MOE_SHAPE, hf_config, random_hf_model
@@ -124,7 +124,7 @@ def test_mla_absorbed_equals_expanded_over_a_chunked_cache(pair):
     layer, x, past, rope = _mla_inputs(pair, 2 * ATTENTION_CHUNK, positions, seed=1)
     one_pass, _ = layer.attn(x, positions, rope, past[:, :-16], absorb=True)
     for absorb in (True, False):
-        chunked, _ = layer.attn(x, positions, rope, past, absorb=absorb, attention="chunked")
+        chunked, _ = layer.attn(x, positions, rope, past, absorb=absorb, attention=AttentionForm.CHUNKED)
         chex.assert_trees_all_close(chunked, one_pass, **TOL)
 
 

@@ -25,6 +25,8 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.config.model import MoeConfig
 from mtp_jax.kernels.dispatch import lone_rows_exact, project
+from mtp_jax.models.cache_attention import AttentionForm
+from mtp_jax.models.hybrid_stack import RecurrentForm
 from mtp_jax.ops.rowwise import row_sum
 from mtp_jax.plan import shapes
 
@@ -66,7 +68,7 @@ def _prefill(model, ids, lens, invariant):
     (the MTP layer sees only the block)."""
     b, p = ids.shape
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-    attention = "invariant" if invariant else None
+    attention = AttentionForm.INVARIANT if invariant else None
     _, cache = model.trunk(ids, positions, model.new_cache(b, SLOTS, attention), lengths=lens)
     return cache, model.new_mtp_cache(b, SLOTS, attention)
 
@@ -89,7 +91,7 @@ def _batched_and_alone(model, invariant: bool):
     lens = np.asarray(PROMPT_LENS, np.int32)
     cache = _prefill(model, jnp.asarray(ids), jnp.asarray(lens), invariant)
     positions = lens[:, None] + np.arange(BLOCK)
-    batched = _block_logits(model, cache, jnp.asarray(blocks), jnp.asarray(positions), "every_state")[:2]
+    batched = _block_logits(model, cache, jnp.asarray(blocks), jnp.asarray(positions), RecurrentForm.EVERY_STATE)[:2]
     alone = []
     copies = 2 if invariant and not lone_rows_exact() else 1  # a lone prompt as `generate` decodes it
     for row, prompt in enumerate(prompts):
@@ -99,7 +101,9 @@ def _batched_and_alone(model, invariant: bool):
         steps = []
         for t in range(BLOCK):
             token, position = blocks[[row] * copies, t : t + 1], positions[[row] * copies, t : t + 1]
-            trunk, mtp, cache = _block_logits(model, cache, jnp.asarray(token), jnp.asarray(position), "last_state")
+            trunk, mtp, cache = _block_logits(
+                model, cache, jnp.asarray(token), jnp.asarray(position), RecurrentForm.LAST_STATE
+            )
             steps.append((trunk[0, 0], mtp[0, 0]))
         alone.append([jnp.stack(parts) for parts in zip(*steps, strict=True)])
     alone = [jnp.stack([row[i] for row in alone]) for i in range(2)]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from mtp_jax.models.cache_attention import ATTENTION_CHUNK
+from mtp_jax.models.cache_attention import ATTENTION_CHUNK, AttentionForm
 
 STARTS = (290, 100)  # row 0's block past the first chunk; row 1's over slots 100..289 of stale prefill
 BLOCK = 10
@@ -19,7 +19,7 @@ def check_logits_after_a_long_cache(hf, model, ids: np.ndarray) -> None:
     transformers' logits over that row's whole sequence."""
     slots, prefix = 2 * ATTENTION_CHUNK, max(STARTS)
     assert ids.shape == (2, prefix + BLOCK)
-    cache = model.new_cache(2, slots, "chunked")
+    cache = model.new_cache(2, slots, AttentionForm.CHUNKED)
     _, cache = model.trunk(ids[:, :prefix], jnp.broadcast_to(jnp.arange(prefix), (2, prefix)), cache)
     positions = np.asarray(STARTS)[:, None] + np.arange(BLOCK)  # [2, BLOCK]
     hidden, _ = model.trunk(np.take_along_axis(ids, positions, axis=1), positions, cache)
