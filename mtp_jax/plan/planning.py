@@ -115,15 +115,16 @@ def _inputs(model: CausalLM, work: Workload):
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"))
 def _start(graphdef, params, ids, lens, key, sampling, cfg: DecodeConfig):
     model = nnx.merge(graphdef, params)
-    with sharding.activate(model.sharding_rules):
+    with speculative.tracing(model, cfg):
         return speculative.start_state(model, ids, lens, key, sampling, cfg, greedy=True)
 
 
 def _rounds(graphdef, cfg: DecodeConfig, unroll: bool, params, caches, state, sampling):
-    """The decode loop as `generate` runs it from the prefill's state: the weights prepared for the loop
-    (`speculative.round_step`), then rounds until every row is done. A plan reads one round off the loop's body."""
+    """The decode loop as `generate` runs it from the prefill's state, under its mesh rules and execution plan: the
+    weights prepared for the loop (`speculative.round_step`), then rounds until every row is done. A plan reads one
+    round off the loop's body."""
     model = nnx.merge(graphdef, params)
-    with sharding.activate(model.sharding_rules), loops.unrolled() if unroll else contextlib.nullcontext():
+    with speculative.tracing(model, cfg), loops.unrolled() if unroll else contextlib.nullcontext():
         state = state.replace(cache=caches[0], mtp_cache=caches[1])
         running = lambda s: ~jnp.all(s.done)
         body = speculative.round_step(model, cfg, sampling, True, running)
