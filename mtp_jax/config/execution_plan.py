@@ -1,11 +1,10 @@
 """The execution plan: which implementation each operation of a traced program takes, decided once.
 
 A plan is one frozen, hashable, printable value. kernels/traced_plan.py's `resolve` builds it before a program is
-traced, from the platform
-and size of the mesh, whether the decode is batch-invariant, the kernels built on this machine and, on a CPU, where
-the row kernel beat XLA's products here (kernels/cpu/kernel_choice.py). Decode programs take it as static
-configuration (`DecodeConfig.plan`), so it is part of their jit key and of the executable cache's key: two runs
-that differ only in their plan never share a compiled program. A test or a user may pass any other plan
+traced, from the platform and size of the mesh, whether the decode is batch-invariant, the kernels built on this
+machine and, on a CPU, where the row kernel beat XLA's products here (kernels/cpu/kernel_choice.py). Decode programs
+take it as static configuration (`DecodeConfig.plan`), so it is part of their jit key and of the executable cache's
+key: two runs that differ only in their plan never share a compiled program. A test or a user may pass any other plan
 (`dataclasses.replace(plan, products=Products.XLA)`, `xla_only`).
 
 While a program is traced, `traced_plan.tracing(plan)` hands the plan to the layers (`traced_plan.current`): their
