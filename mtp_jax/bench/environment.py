@@ -24,14 +24,15 @@ def metadata(args, label: str, dtype: str, notes: list[str], model) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
+    plan = planned(model, args.invariant)
     return {
         "command": args.command,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": describe_device(),
         "host": f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} cores",
         "cpu_kernel": cpu_rows.level() if jax.default_backend() == "cpu" else "not used (not a CPU)",
-        "execution_plan": planned(model, args.invariant).as_dict(),
-        "execution_plan_summary": planned(model, args.invariant).summary(),
+        "execution_plan": plan.as_dict(),
+        "execution_plan_summary": plan.summary(),
         "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "torch", "transformers")},
         "model": label,
         "dtype": dtype,

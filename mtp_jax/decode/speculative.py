@@ -144,7 +144,7 @@ def _lone(model: CausalLM, cfg: DecodeConfig, batch: int) -> bool:
     one-row pass would get other sums than a row in a batch (`dispatch.lone_rows_exact`)."""
     if not (cfg.invariant and batch == 1):
         return False
-    with activate(model.sharding_rules):
+    with tracing(model, cfg):  # the config's plan: its products say whether a lone row's sums are its own
         return not lone_rows_exact()
 
 
