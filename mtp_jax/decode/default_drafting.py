@@ -10,12 +10,12 @@ drafting that pays on the device it runs on, and one line saying what was chosen
   (routed_floor.py; `plan` reports the ratio): its rounds are timed and chosen as on a CPU, up to
   DEFAULT_DRAFTS["other"] drafts.
 - A CPU: a verify pass costs more than a plain step in proportion to its rows (the row kernel's sums are compute,
-  not only reads), by how much depends on the CPU's ISA level, its cores and the model. So rounds of k = 0 ..
-  DEFAULT_DRAFTS["cpu"] drafts are timed here on the decode's own first prompts (`RoundTimer.fixed_rounds`, the
-  bench's timing), with the head's acceptance on them, once per model, kernel build, batch size and numerics, kept
-  in the package's cache folder (`round_costs.json` in `~/.cache/mtp_jax` or $MTP_JAX_CACHE); the k with the most
-  tokens per unit of time is taken where it beats plain decoding by MARGIN, else plain decoding (k = 0: no MTP
-  layer run at all).
+  not only reads), by how much depends on the CPU's ISA level, its cores and the model. So whole decodes with k =
+  0 .. DEFAULT_DRAFTS["cpu"] drafts a round are timed here on the decode's own first prompts (`timed_decodes`: the
+  programs a decode runs, prefill and loop bookkeeping included, not a round's parts), with the head's acceptance
+  on them, once per model, kernel build, batch size and numerics, kept in the package's cache folder
+  (`round_costs.json` in `~/.cache/mtp_jax` or $MTP_JAX_CACHE); the k with the most tokens per unit of time is
+  taken where it beats plain decoding by MARGIN, else plain decoding (k = 0: no MTP layer run at all).
 `--adaptive` without `--round-costs` on a CPU gets its round costs timed the same way (`measured(..., "adaptive")`).
 """
 
@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -36,16 +37,17 @@ from flax import nnx
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.adaptive import drafting_can_pay, expected_tokens
 from mtp_jax.decode.round_timing import RoundTimer
+from mtp_jax.decode.speculative import compile_generate
 from mtp_jax.kernels.cpu import cpu_rows, kernel_build
 from mtp_jax.runtime.cache_folder import cache_dir
 from mtp_jax.runtime.files import write_atomically
 
 DEFAULT_DRAFTS = {"cpu": 2, "other": 3}  # the most drafts a round considered on a CPU; the drafts elsewhere
-MARGIN = 0.03  # drafting must beat plain decoding by this fraction (timing noise aside)
+MARGIN = 0.05  # drafting must beat plain decoding by this fraction (the timings' spread between runs)
 PRIOR_RATE = 0.35  # the acceptance a depth is taken to have before it is measured (the shipped head's first depth
 PRIOR_WEIGHT = 32  # on chat prompts), worth this many judged drafts: a few lucky rounds on one prompt do not decide
-TIMED_TOKENS = 64  # the budget whose cache the timed rounds use
-ITERATIONS = 16  # rounds per timed call (and judged drafts per row for the acceptance)
+TIMED_TOKENS = 64  # tokens each row generates in a timed decode
+TIMED_SWEEPS = 3  # timed decodes of each k, taken in turn (`timed_decodes`)
 COSTS_FILE = "round_costs.json"
 
 
@@ -115,21 +117,51 @@ def measured(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool, ki
     known = _read(path)
     if key in known:
         return known[key], "measured here earlier"
-    print(f"mtp_jax: timing this device's decode rounds once (batch {batch}, 0..{max_draft} drafts), to choose the "
+    print(f"mtp_jax: timing this device's decoding once (batch {batch}, 0..{max_draft} drafts a round), to choose the "
           "default drafting", file=sys.stderr)  # fmt: skip
-    timer = RoundTimer(model, prompt_ids, prompt_lens, TIMED_TOKENS, invariant=invariant, iterations=ITERATIONS,
-                       repeats=2)  # fmt: skip
     if kind == "adaptive":
+        timer = RoundTimer(model, prompt_ids, prompt_lens, TIMED_TOKENS, invariant=invariant, iterations=16,
+                           repeats=TIMED_SWEEPS)  # fmt: skip
         found = {"costs": list(timer.adaptive_costs(max_draft, *tree))}
         if not drafting_can_pay(tuple(found["costs"]), max_draft):
             found["costs"] = [1.0] * len(found["costs"])  # no draft can pay: the loop compiles to plain decoding
     else:
-        costs, judged, accepted = timer.fixed_rounds(max_draft)
+        costs, judged, accepted = timed_decodes(model, prompt_ids, prompt_lens, max_draft, invariant)
         found = {"costs": list(costs), "judged": list(judged), "accepted": list(accepted)}
     known = _read(path)  # another process may have written meanwhile
     known[key] = found
     write_atomically(str(path), json.dumps(known, indent=1, sort_keys=True))
     return found, "measured now on these prompts, kept for later runs"
+
+
+def timed_decodes(model, prompt_ids, prompt_lens, max_draft: int, invariant: bool) -> tuple:
+    """(a round's time over a plain step's for k = 0..max_draft drafts a round, and per depth the drafts judged and
+    accepted in the max_draft decode): greedy decodes of the prompts (ids [B, W], lens [B]), TIMED_TOKENS tokens a
+    row with EOS ignored. A round's time is its decode's over its loop iterations: the prefill (with the MTP
+    layer's, for k >= 1) and the loop's bookkeeping are in it, as they are in the decode it chooses for.
+
+    Each sweep times every k's compiled `generate` once, in turn, and gives each k's ratio to that sweep's plain
+    decode; the median of TIMED_SWEEPS sweeps is kept. A shared host's speed drifts by 10-20% over seconds (seen
+    here: the same k = 1 round 1.23 to 1.61 plain steps in separate runs), so ratios taken within one sweep hold up
+    better than each k's fastest run. A round with more drafts does all the work of one with fewer, so noise that
+    says otherwise is evened out: each cost at least the one before, and at least 1."""
+    ids, lens, key = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), jax.random.key(0)
+    configs = [DecodeConfig(num_draft=k, max_new_tokens=TIMED_TOKENS, stop_on_eos=False, invariant=invariant)
+               for k in range(max_draft + 1)]  # fmt: skip
+    programs = [compile_generate(model, ids, lens, key, cfg, keep=False) for cfg in configs]
+    walls, outputs = np.zeros((TIMED_SWEEPS, len(configs))), [None] * len(configs)  # [sweeps, k + 1] seconds
+    for sweep in range(TIMED_SWEEPS):
+        for k, (program, cfg) in enumerate(zip(programs, configs, strict=True)):
+            start = time.perf_counter()
+            outputs[k] = jax.block_until_ready(program(model, ids, lens, key, cfg))
+            walls[sweep, k] = time.perf_counter() - start
+    stats = jax.device_get([out.stats for out in outputs])
+    rounds = np.asarray([int(s.rounds) for s in stats], np.float64)  # [k + 1] loop iterations (greedy: every run's)
+    per_round = walls / rounds  # [sweeps, k + 1]
+    costs = np.median(per_round / per_round[:, :1], axis=0)
+    costs = np.maximum.accumulate(np.maximum(costs, 1.0))
+    judged, accepted = (tuple(int(n) for n in counts) for counts in (stats[-1].reached, stats[-1].accepted_at))
+    return tuple(float(c) for c in costs), judged, accepted
 
 
 def costs_path() -> Path:

@@ -313,11 +313,14 @@ def _pieces(start, run, params, inputs, max_new_tokens: int, chunk_tokens: int) 
             return
 
 
-def compile_generate(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None) -> CompiledGenerate:
-    """Ahead-of-time compile `generate` for these shapes: returns a function of the same arguments."""
+def compile_generate(model, prompt_ids, prompt_lens, key, cfg=None, sampling=None, keep: bool = True
+                     ) -> CompiledGenerate:  # fmt: skip
+    """Ahead-of-time compile `generate` for these shapes: returns a function of the same arguments. `keep`: the
+    executable is kept whole on disk while the tools' cache is on (`executable_cache`); a program a run uses only
+    once (the default drafting's timed decodes) is not."""
     args, static = _arguments(model, prompt_ids, prompt_lens, key, cfg, sampling)
     compile_one = lambda: (_generate.lower(*args, **static).compile(),)
-    (program,) = executable_cache.programs("generate", (*args, static), compile_one)
+    (program,) = executable_cache.programs("generate", (*args, static), compile_one) if keep else compile_one()
     return CompiledGenerate(program)
 
 

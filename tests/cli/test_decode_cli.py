@@ -120,7 +120,7 @@ def test_default_drafts_follow_the_platform(checkpoints, capsys, tmp_path, monke
     stats = tmp_path / "s.json"
     common = ["--prompts-file", checkpoints / "prompts.jsonl", "--max-new-tokens", 4, "--stats-json", stats]
     code, _, err = decode(capsys, "--model", checkpoints / "with_head", *common)
-    assert code == 0 and "timing this device's decode rounds once" in err
+    assert code == 0 and "timing this device's decoding once" in err
     drafting = json.loads(stats.read_text())["drafting"]
     assert "measured now" in drafting and drafting in err
     assert drafting.startswith(("1 draft(s) a round", "2 draft(s) a round", "plain decoding"))

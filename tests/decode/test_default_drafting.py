@@ -50,7 +50,8 @@ def test_measured_once_per_key(model, monkeypatch, tmp_path):
     found, when = default_drafting.measured(model, IDS, LENS, 1, False, "fixed")
     assert when.startswith("measured now") and len(found["costs"]) == 2 and len(found["judged"]) == 1
     assert found["costs"][0] == 1.0 and found["costs"][1] >= 1.0 and 0 <= found["accepted"][0] <= found["judged"][0]
-    assert found["judged"][0] == default_drafting.ITERATIONS  # one row, a draft judged every round
+    tokens = default_drafting.TIMED_TOKENS  # one row, a draft judged every round, one or two tokens a round
+    assert tokens // 2 <= found["judged"][0] <= tokens
     assert default_drafting.measured(model, IDS, LENS, 1, False, "fixed") == (found, "measured here earlier")
     adaptive, when = default_drafting.measured(model, IDS, LENS, 1, False, "adaptive")  # another key
     assert when.startswith("measured now") and len(adaptive["costs"]) == 2
