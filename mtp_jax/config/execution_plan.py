@@ -55,6 +55,14 @@ class DeltaRule(enum.Enum):
     PALLAS = "pallas"  # kernels/delta_rule_kernel.py (a TPU; Pallas' interpreter elsewhere)
 
 
+class VerifyLogits(enum.Enum):
+    """The lm_head over a greedy verify block's rows (decode/rounds.py's `verify`)."""
+
+    BLOCK = "block"  # every row's logits in one product: a read of the lm_head, whatever its rows (an accelerator)
+    ROW_BY_ROW = "row_by_row"  # a position at a time, while some row has accepted every draft before it: the CPU
+    # row kernel's sums cost in proportion to the rows, so a rejected draft's later rows are not worth computing
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecutionPlan:
     """What each operation of a program takes (module docstring).
@@ -72,6 +80,7 @@ class ExecutionPlan:
     small_experts: SmallPassExperts = SmallPassExperts.EVERY_EXPERT
     large_experts: LargePassExperts = LargePassExperts.RAGGED_DOT
     delta_rule: DeltaRule = DeltaRule.XLA_SCAN
+    verify_logits: VerifyLogits = VerifyLogits.BLOCK
     kernel_loses: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -111,6 +120,7 @@ class ExecutionPlan:
             f"decode attention {self.attention.value}",
             f"routed experts {self.small_experts.value} / {self.large_experts.value}",
             f"delta rule {self.delta_rule.value}",
+            f"verify logits {self.verify_logits.value}",
         ]
         return f"{where}{', batch-invariant' if self.invariant else ''}: " + "; ".join(parts)
 

@@ -9,6 +9,8 @@ the sampling rule reduces exactly to the greedy rule, so a batch may mix greedy 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -77,6 +79,32 @@ def greedy_accept(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Arra
     matches = drafts == target[:, :-1]  # [B, k]
     accepted = jnp.sum(jnp.cumprod(matches, axis=-1), axis=-1).astype(jnp.int32)
     return accepted, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
+
+
+def greedy_accept_row_by_row(drafts: jax.Array, hidden: jax.Array, logits_of: Callable) -> tuple[jax.Array, jax.Array]:
+    """`greedy_accept`, the target's logits made one position at a time (`logits_of`: hidden [B, D] -> [B, V]) and
+    only while some row has accepted every draft before it: drafts [B, k], the trunk's hiddens [B, k+1, D] -> (a [B],
+    the target's token at a [B]). A position's logits are a plain step's product ([B, D] rows), so where a row's sums
+    do not depend on the rows beside it the tokens are `greedy_accept`'s."""
+    batch, k = drafts.shape
+    past_last = jnp.concatenate([drafts, jnp.full((batch, 1), -1, jnp.int32)], axis=1)  # [B, k+1]: none matches
+    # the target at k, the bonus position
+
+    def undecided(carry):
+        position, alive, _, _ = carry
+        return (position <= k) & jnp.any(alive)
+
+    def next_position(carry):
+        position, alive, accepted, token = carry  # alive [B]: every draft before `position` accepted
+        row_hidden = jax.lax.dynamic_index_in_dim(hidden, position, axis=1, keepdims=False)  # [B, D]
+        target = jnp.argmax(logits_of(row_hidden), axis=-1).astype(jnp.int32)  # [B]
+        matches = alive & (jax.lax.dynamic_index_in_dim(past_last, position, axis=1, keepdims=False) == target)
+        token = jnp.where(alive & ~matches, target, token)
+        return position + 1, matches, accepted + matches.astype(jnp.int32), token
+
+    start = (jnp.int32(0), jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
+    _, _, accepted, token = jax.lax.while_loop(undecided, next_position, start)
+    return accepted, token
 
 
 def rejection_accept(

@@ -18,6 +18,7 @@ from mtp_jax.config.execution_plan import (
     LargePassExperts,
     Products,
     SmallPassExperts,
+    VerifyLogits,
 )
 from mtp_jax.kernels import fixed_tiles
 from mtp_jax.kernels.cpu import cpu_rows, kernel_choice
@@ -48,6 +49,7 @@ def resolve(rules=None, invariant: bool = False) -> ExecutionPlan:
         small_experts=SmallPassExperts.PALLAS if tpu else SmallPassExperts.GATHER,
         large_experts=LargePassExperts.PALLAS_GROUPED if tpu else LargePassExperts.RAGGED_DOT,
         delta_rule=DeltaRule.PALLAS if tpu else DeltaRule.XLA_SCAN,
+        verify_logits=VerifyLogits.ROW_BY_ROW if products is Products.CPU_ROWS else VerifyLogits.BLOCK,
         kernel_loses=kernel_choice.losing_products(cpu_rows.choice_table()) if measured else (),
     )
 

@@ -15,7 +15,7 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.decode.round_timing import prefilled_state
 from mtp_jax.decode.rounds import Round, RoundKind, round_context, verify
-from mtp_jax.decode.sampling import greedy_accept, rejection_accept
+from mtp_jax.decode.sampling import greedy_accept, greedy_accept_row_by_row, rejection_accept
 from mtp_jax.models.kv_cache import cache_slots
 from tests.support.tiny_models import tiny_config
 
@@ -37,6 +37,32 @@ def test_greedy_accepts_the_longest_agreeing_prefix_then_the_targets_token():
     np.testing.assert_array_equal(accepted, expected)
     np.testing.assert_array_equal(token, target[np.arange(batch), expected])
     assert {0, 1, k} <= set(expected.tolist())  # rows rejected at once, part way and never
+
+
+@pytest.mark.parametrize("batch", [1, 2, 64])
+def test_greedy_acceptance_row_by_row_is_the_blocks(batch):
+    """The target's logits made a position at a time, only while some row still accepts, give the block's verdict;
+    the positions after every row's rejection are never made."""
+    rng = np.random.default_rng(batch)
+    k, width = 3, 8
+    hidden = rng.normal(size=(batch, k + 1, width)).astype(np.float32)  # [B, k+1, D]
+    head = rng.normal(size=(width, VOCAB)).astype(np.float32)  # [D, V]
+    target = (hidden @ head).argmax(-1)  # [B, k+1]
+    agree = rng.random((batch, k)) < 0.6
+    drafts = np.where(agree, target[:, :k], (target[:, :k] + rng.integers(1, VOCAB, (batch, k))) % VOCAB)
+    made = []
+
+    def logits_of(rows):  # [B, D] -> [B, V], counting the positions made
+        jax.debug.callback(lambda: made.append(1))
+        return rows @ jnp.asarray(head)
+
+    lazily = jax.jit(functools.partial(greedy_accept_row_by_row, logits_of=logits_of))
+    accepted, token = (np.asarray(x) for x in lazily(jnp.asarray(drafts, jnp.int32), jnp.asarray(hidden)))
+    block = greedy_accept(jnp.asarray(drafts, jnp.int32), jnp.asarray(hidden @ head))
+    np.testing.assert_array_equal(accepted, np.asarray(block[0]))
+    np.testing.assert_array_equal(token, np.asarray(block[1]))
+    jax.effects_barrier()
+    assert len(made) == min(k, accepted.max()) + 1  # up to the deepest row's first rejection (or the bonus)
 
 
 def emitted_frequencies(p: np.ndarray, q: np.ndarray, draws: int, seed: int):

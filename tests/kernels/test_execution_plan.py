@@ -14,7 +14,7 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax.config import execution_plan
-from mtp_jax.config.execution_plan import DecodeAttention, ExecutionPlan, Products
+from mtp_jax.config.execution_plan import DecodeAttention, ExecutionPlan, Products, VerifyLogits
 from mtp_jax.decode import speculative
 from mtp_jax.kernels import traced_plan
 from mtp_jax.kernels.cpu import cpu_rows
@@ -65,6 +65,38 @@ def test_two_runs_that_differ_only_in_their_plan_compile_two_programs():
     assert programs() == before + 2
 
 
+@needs_kernel
+def test_a_greedy_verify_takes_its_logits_row_by_row_where_its_plan_says():
+    """The CPU's plan makes a lone row's verify logits a position at a time (one more loop in the program, its
+    lm_head inside it), for blocks of ROW_BY_ROW_DRAFTS drafts or more; the tokens and counters are the block's,
+    and plain decoding's."""
+    model = predictable_model(seed=5)
+    here = traced_plan.resolve()
+    assert here.verify_logits is VerifyLogits.ROW_BY_ROW
+    block = dataclasses.replace(here, verify_logits=VerifyLogits.BLOCK)
+    lens = np.array([4], np.int32)
+    prompts = padded_prompts(2, lens, model.config.vocab_size)
+    outputs, loops = {}, {}
+    graphdef, params = nnx.split(model)
+    for name, plan, k in (
+        ("rows", here, 3),
+        ("block", block, 3),
+        ("plain", here, 0),
+        ("one draft", here, 1),
+        ("one draft, block", block, 1),
+    ):
+        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=12, stop_on_eos=False, plan=plan)
+        outputs[name] = mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg)
+        run = lambda p, cfg=cfg: mtp_jax.generate(nnx.merge(graphdef, p), prompts, lens, jax.random.key(0), cfg)
+        loops[name] = jax.jit(run).lower(params).as_text().count("stablehlo.while")
+    assert loops["rows"] == loops["block"] + 1 and loops["one draft"] == loops["one draft, block"]
+    for name in ("rows", "block"):
+        np.testing.assert_array_equal(np.asarray(outputs[name].tokens), np.asarray(outputs["plain"].tokens))
+    for field in ("rounds", "accepted", "reached", "accepted_at"):
+        np.testing.assert_array_equal(getattr(outputs["rows"].stats, field), getattr(outputs["block"].stats, field))
+    assert int(outputs["rows"].stats.accepted) > 0
+
+
 def test_generate_resolves_the_plan_before_it_traces():
     """A config without a plan gets the one for the model's mesh here (batch-invariant where the config is)."""
     model = predictable_model()
@@ -79,7 +111,7 @@ def test_a_plan_prints_its_choices_and_refuses_what_cannot_run():
     )
     line = plan.summary()
     for part in ("cpu, one device", "products cpu_rows (XLA where it won: float32@64, int8@16)", "decode attention xla",
-                 "routed experts every_expert / ragged_dot", "delta rule xla_scan"):  # fmt: skip
+                 "routed experts every_expert / ragged_dot", "delta rule xla_scan", "verify logits block"):  # fmt: skip
         assert part in line, line
     assert json.loads(json.dumps(plan.as_dict()))["kernel_loses"] == ["float32@64", "int8@16"]
     assert "batch-invariant" in execution_plan.xla_only("gpu", invariant=True).summary()
