@@ -212,11 +212,12 @@ def verify(ctx: RoundContext, s: LoopState, drafts: jax.Array, draft_probs: jax.
 
 
 # Where the plan says ROW_BY_ROW, a greedy verify block of at most ROW_BY_ROW_BATCH rows (one row, or one with its
-# twin) and at least ROW_BY_ROW_DRAFTS drafts makes its logits a position at a time: more rows rarely all reject a
-# draft, and each position's pass reads the whole lm_head again. Measured on the default model (docs/benchmarks-
-# log.md): a k = 3 round 1.67 -> 1.52 plain steps, a k = 1 round the same either way.
+# twin) and at least ROW_BY_ROW_DRAFTS drafts (a chain's, or a tree's nodes) makes its logits a position at a time:
+# more rows rarely all reject a draft, and each position's pass reads the whole lm_head again. Measured on the
+# default model at batch 1 (docs/benchmarks-log.md), whole decodes against the block's: a 16-node tree 0.76x the
+# time, k = 3 0.93-0.98x, k = 2 1.05x (so two drafts keep the block).
 ROW_BY_ROW_BATCH = 2
-ROW_BY_ROW_DRAFTS = 2
+ROW_BY_ROW_DRAFTS = 3
 
 
 def row_by_row_logits(cfg: DecodeConfig, batch: int, num_draft: int) -> bool:

@@ -68,8 +68,8 @@ def test_two_runs_that_differ_only_in_their_plan_compile_two_programs():
 @needs_kernel
 def test_a_greedy_verify_takes_its_logits_row_by_row_where_its_plan_says():
     """The CPU's plan makes a lone row's verify logits a position at a time (one more loop in the program, its
-    lm_head inside it), for blocks of ROW_BY_ROW_DRAFTS drafts or more; the tokens and counters are the block's,
-    and plain decoding's."""
+    lm_head inside it), for blocks of ROW_BY_ROW_DRAFTS drafts or more, and a tree's along its accepted path only;
+    the tokens and counters are the block's, and plain decoding's."""
     model = predictable_model(seed=5)
     here = traced_plan.resolve()
     assert here.verify_logits is VerifyLogits.ROW_BY_ROW
@@ -78,23 +78,24 @@ def test_a_greedy_verify_takes_its_logits_row_by_row_where_its_plan_says():
     prompts = padded_prompts(2, lens, model.config.vocab_size)
     outputs, loops = {}, {}
     graphdef, params = nnx.split(model)
-    for name, plan, k in (
-        ("rows", here, 3),
-        ("block", block, 3),
-        ("plain", here, 0),
-        ("one draft", here, 1),
-        ("one draft, block", block, 1),
-    ):
-        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=12, stop_on_eos=False, plan=plan)
+    runs = {  # name: (plan, drafts, tree nodes)
+        "chain": (here, 3, 0), "chain, block": (block, 3, 0), "plain": (here, 0, 0), "two drafts": (here, 2, 0),
+        "two drafts, block": (block, 2, 0), "tree": (here, 3, 8), "tree, block": (block, 3, 8),
+    }  # fmt: skip
+    for name, (plan, k, tree) in runs.items():
+        cfg = mtp_jax.DecodeConfig(num_draft=k, max_new_tokens=12, stop_on_eos=False, plan=plan, tree=tree)
         outputs[name] = mtp_jax.generate(model, prompts, lens, jax.random.key(0), cfg)
         run = lambda p, cfg=cfg: mtp_jax.generate(nnx.merge(graphdef, p), prompts, lens, jax.random.key(0), cfg)
         loops[name] = jax.jit(run).lower(params).as_text().count("stablehlo.while")
-    assert loops["rows"] == loops["block"] + 1 and loops["one draft"] == loops["one draft, block"]
-    for name in ("rows", "block"):
-        np.testing.assert_array_equal(np.asarray(outputs[name].tokens), np.asarray(outputs["plain"].tokens))
-    for field in ("rounds", "accepted", "reached", "accepted_at"):
-        np.testing.assert_array_equal(getattr(outputs["rows"].stats, field), getattr(outputs["block"].stats, field))
-    assert int(outputs["rows"].stats.accepted) > 0
+    assert loops["two drafts"] == loops["two drafts, block"]  # a block of three rows stays whole
+    for name in ("chain", "tree"):
+        assert loops[name] == loops[f"{name}, block"] + 1
+        for plan in (name, f"{name}, block"):
+            np.testing.assert_array_equal(np.asarray(outputs[plan].tokens), np.asarray(outputs["plain"].tokens))
+        for field in ("rounds", "accepted", "reached", "accepted_at"):
+            np.testing.assert_array_equal(getattr(outputs[name].stats, field),
+                                          getattr(outputs[f"{name}, block"].stats, field))  # fmt: skip
+        assert int(outputs[name].stats.accepted) > 0
 
 
 def test_generate_resolves_the_plan_before_it_traces():
