@@ -4,11 +4,13 @@ copy bandwidth (the roofline).
 
 Each part runs `iterations` times inside one `fori_loop`, carrying the buffers it updates (KV or MTP cache, or the
 whole loop state), so they are updated in place as in the real loop and the call's dispatch is amortised. Rounds are
-greedy; the state comes from the loop's own prefill of the benchmark's prompts.
+greedy; the state comes from the loop's own prefill of the benchmark's prompts. The verify part makes every
+position's logits (a whole round, where its plan says `row_by_row`, makes them only while a draft is accepted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -21,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.config.decode import DecodeConfig
+from mtp_jax.config.execution_plan import VerifyLogits
 from mtp_jax.decode.adaptive import probe_cycle, step_param_bytes
 from mtp_jax.decode.loop_state import mtp_block_width
 from mtp_jax.decode.prefill import prefill
@@ -84,6 +87,10 @@ def _repeated(model, state, cfg: DecodeConfig, part: str, num_draft: int, iterat
     if part == "verify":
         drafts = jnp.zeros((state.pending.shape[0], num_draft), jnp.int32)  # [B, j]: the values do not matter
         active = jnp.ones(state.pending.shape, bool)
+        # every position's logits, as if every draft were accepted: row by row (`VerifyLogits`), these drafts'
+        # verify would stop at the first
+        whole_block = dataclasses.replace(cfg.plan, verify_logits=VerifyLogits.BLOCK) if cfg.plan else None
+        ctx = round_context(model, dataclasses.replace(cfg, plan=whole_block), None, eos, [timed])
 
         def verify_step(_, carry):  # the trunk pass, lm_head and acceptance; recurrent states kept (hybrid trunks)
             cache, tokens = carry
