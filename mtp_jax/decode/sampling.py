@@ -87,8 +87,8 @@ def greedy_accept_row_by_row(drafts: jax.Array, hidden: jax.Array, logits_of: Ca
     the target's token at a [B]). A position's logits are a plain step's product ([B, D] rows), so where a row's sums
     do not depend on the rows beside it the tokens are `greedy_accept`'s."""
     batch, k = drafts.shape
-    past_last = jnp.concatenate([drafts, jnp.full((batch, 1), -1, jnp.int32)], axis=1)  # [B, k+1]: none matches
-    # the target at k, the bonus position
+    # [B, k+1]: the drafts, then an id no target matches at k (the bonus position, whose target is always taken)
+    past_last = jnp.concatenate([drafts, jnp.full((batch, 1), -1, jnp.int32)], axis=1)
 
     def undecided(carry):
         position, alive, _, _ = carry
