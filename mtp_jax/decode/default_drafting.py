@@ -142,8 +142,8 @@ def timed_decodes(model, prompt_ids, prompt_lens, max_draft: int, invariant: boo
 
     Each sweep times every k's compiled `generate` once, in turn, and gives each k's ratio to that sweep's plain
     decode; the median of TIMED_SWEEPS sweeps is kept. A shared host's speed drifts over seconds, so ratios taken
-    within one sweep hold up better than each k's fastest run. A round with more drafts does all the work of one with fewer, so noise that
-    says otherwise is evened out: each cost at least the one before, and at least 1."""
+    within one sweep hold up better than each k's fastest run. A round with more drafts does all the work of one
+    with fewer, so noise that says otherwise is evened out: each cost at least the one before, and at least 1."""
     ids, lens, key = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), jax.random.key(0)
     configs = [DecodeConfig(num_draft=k, max_new_tokens=TIMED_TOKENS, stop_on_eos=False, invariant=invariant)
                for k in range(max_draft + 1)]  # fmt: skip
