@@ -65,6 +65,7 @@ def test_two_runs_that_differ_only_in_their_plan_compile_two_programs():
     assert programs() == before + 2
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_a_greedy_verify_takes_its_logits_row_by_row_where_its_plan_says():
     """The CPU's plan makes a lone row's verify logits a position at a time (one more loop in the program, its
