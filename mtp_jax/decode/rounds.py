@@ -31,7 +31,7 @@ from mtp_jax.decode.loop_state import AdaptiveState, DecodeStats, LoopState, gat
 from mtp_jax.decode.sampling import (
     SamplingParams,
     greedy_accept,
-    greedy_accept_row_by_row,
+    greedy_walk,
     probabilities,
     rejection_accept,
     sample,
@@ -197,7 +197,8 @@ def verify(ctx: RoundContext, s: LoopState, drafts: jax.Array, draft_probs: jax.
         draft_hidden = hidden
     if ctx.sampling is None:
         if row_by_row_logits(ctx.cfg, inputs.shape[0], j):
-            accepted, token = greedy_accept_row_by_row(drafts, hidden, model.logits)
+            chain = jnp.broadcast_to(jnp.arange(j), drafts.shape)  # draft i's parent: entry i
+            accepted, token, _ = greedy_walk(drafts, chain, hidden, model.logits)
         else:
             accepted, token = greedy_accept(drafts, model.logits(hidden))
         return Verdict(accepted, token, draft_hidden, cache, None)

@@ -81,30 +81,35 @@ def greedy_accept(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Arra
     return accepted, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
 
 
-def greedy_accept_row_by_row(drafts: jax.Array, hidden: jax.Array, logits_of: Callable) -> tuple[jax.Array, jax.Array]:
-    """`greedy_accept`, the target's logits made one position at a time (`logits_of`: hidden [B, D] -> [B, V]) and
-    only while some row has accepted every draft before it: drafts [B, k], the trunk's hiddens [B, k+1, D] -> (a [B],
-    the target's token at a [B]). A position's logits are a plain step's product ([B, D] rows), so where a row's sums
-    do not depend on the rows beside it the tokens are `greedy_accept`'s."""
-    batch, k = drafts.shape
-    # [B, k+1]: the drafts, then an id no target matches at k (the bonus position, whose target is always taken)
-    past_last = jnp.concatenate([drafts, jnp.full((batch, 1), -1, jnp.int32)], axis=1)
+def greedy_walk(tokens: jax.Array, parents: jax.Array, hidden: jax.Array, logits_of: Callable) -> tuple:
+    """Greedy acceptance of a chain or a tree, the target's logits made only along the accepted path (`logits_of`:
+    hidden [B, D] -> [B, V]): from the root, each step takes the argmax at the path's end and follows the child
+    holding it, while some row still finds one. tokens [B, N] the nodes' drafts, parents [B, N] each node's parent
+    entry (entry 0 the root, node n entry n + 1; a chain's node n has parent n), hidden [B, N+1, D] the verify
+    block's. Siblings hold distinct tokens (a parent's children are its top drafts), so the path is `greedy_accept`'s
+    (a chain) or `tree.accepted_path`'s. A step's logits are a plain step's product ([B, D] rows): where a row's sums
+    do not depend on the rows beside it, the tokens are those of the whole block's logits. Returns (the path's depth
+    a [B], the target's token at its end [B], its end entry [B])."""
+    batch = tokens.shape[0]
 
     def undecided(carry):
-        position, alive, _, _ = carry
-        return (position <= k) & jnp.any(alive)
+        level, _, alive, _, _ = carry
+        return (level < tokens.shape[1] + 1) & jnp.any(alive)
 
-    def next_position(carry):
-        position, alive, accepted, token = carry  # alive [B]: every draft before `position` accepted
-        row_hidden = jax.lax.dynamic_index_in_dim(hidden, position, axis=1, keepdims=False)  # [B, D]
-        target = jnp.argmax(logits_of(row_hidden), axis=-1).astype(jnp.int32)  # [B]
-        matches = alive & (jax.lax.dynamic_index_in_dim(past_last, position, axis=1, keepdims=False) == target)
-        token = jnp.where(alive & ~matches, target, token)
-        return position + 1, matches, accepted + matches.astype(jnp.int32), token
+    def next_level(carry):
+        level, end, alive, accepted, token = carry  # end [B]: the path's last entry so far
+        at_end = jnp.take_along_axis(hidden, end[:, None, None], axis=1)[:, 0]  # [B, D]
+        pick = jnp.argmax(logits_of(at_end), axis=-1).astype(jnp.int32)  # [B]
+        child = (parents == end[:, None]) & (tokens == pick[:, None])  # [B, N] at most one per row
+        found = alive & jnp.any(child, axis=1)
+        token = jnp.where(alive & ~found, pick, token)
+        end = jnp.where(found, jnp.argmax(child, axis=1).astype(jnp.int32) + 1, end)
+        return level + 1, end, found, accepted + found.astype(jnp.int32), token
 
-    start = (jnp.int32(0), jnp.ones((batch,), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
-    _, _, accepted, token = jax.lax.while_loop(undecided, next_position, start)
-    return accepted, token
+    zeros = jnp.zeros((batch,), jnp.int32)
+    start = (jnp.int32(0), zeros, jnp.ones((batch,), bool), zeros, zeros)
+    _, end, _, accepted, token = jax.lax.while_loop(undecided, next_level, start)
+    return accepted, token, end
 
 
 def rejection_accept(

@@ -41,7 +41,7 @@ from mtp_jax.config import execution_plan
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import LoopState, round_keys
 from mtp_jax.decode.rounds import Drafts, Round, RoundContext, Verdict, catch_up, commit, record, row_by_row_logits
-from mtp_jax.decode.sampling import probabilities, sample
+from mtp_jax.decode.sampling import greedy_walk, probabilities, sample
 from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree, ancestry
 from mtp_jax.models.causal_lm import CausalLM
@@ -184,7 +184,8 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     hidden, draft_hidden, cache = model.trunk_for_drafts(inputs, positions, s.cache, recurrent=recurrent,
                                                          block_tree=block)  # fmt: skip
     if ctx.sampling is None and row_by_row_logits(ctx.cfg, batch, budget):
-        accepted, token, path = greedy_walk(tree.tokens, block, hidden, model.logits)
+        accepted, token, end = greedy_walk(tree.tokens, block.parents[:, 1:], hidden, model.logits)
+        path = jnp.take_along_axis(block.paths, end[:, None, None], axis=1)[:, 0]  # [B, D+1]
     else:
         logits = model.logits(hidden)  # [B, N+1, V]
         if ctx.sampling is None:
@@ -217,34 +218,6 @@ def accepted_path(tokens: jax.Array, block: BlockTree, picks: jax.Array):
     end = jnp.argmax(jnp.where(on_path, block.depths, -1), axis=1)  # [B] the deepest entry on the path
     accepted = jnp.take_along_axis(block.depths, end[:, None], axis=1)[:, 0]
     token = jnp.take_along_axis(picks, end[:, None], axis=1)[:, 0]
-    return accepted, token, jnp.take_along_axis(block.paths, end[:, None, None], axis=1)[:, 0]
-
-
-def greedy_walk(tokens: jax.Array, block: BlockTree, hidden: jax.Array, logits_of) -> tuple:
-    """`accepted_path` of a greedy tree, the target's logits made only along the path (`logits_of`: hidden [B, D] ->
-    [B, V]): from the root, each step takes the argmax at the path's end and follows the child holding it (siblings
-    hold distinct tokens: each parent's children are its top-k drafts), while some row still finds one. tokens
-    [B, N], hidden [B, N+1, D] the verify block's; returns what `accepted_path` does."""
-    batch, depth = tokens.shape[0], block.depth
-    children_of = block.parents[:, 1:]  # [B, N] each node's parent entry
-
-    def undecided(carry):
-        level, _, alive, _, _ = carry
-        return (level <= depth) & jnp.any(alive)
-
-    def next_level(carry):
-        level, end, alive, accepted, token = carry  # end [B]: the path's last entry so far
-        at_end = jnp.take_along_axis(hidden, end[:, None, None], axis=1)[:, 0]  # [B, D]
-        pick = jnp.argmax(logits_of(at_end), axis=-1).astype(jnp.int32)  # [B]
-        child = (children_of == end[:, None]) & (tokens == pick[:, None])  # [B, N] at most one per row
-        found = alive & jnp.any(child, axis=1)
-        token = jnp.where(alive & ~found, pick, token)
-        end = jnp.where(found, jnp.argmax(child, axis=1).astype(jnp.int32) + 1, end)
-        return level + 1, end, found, accepted + found.astype(jnp.int32), token
-
-    zeros = jnp.zeros((batch,), jnp.int32)
-    start = (jnp.int32(0), zeros, jnp.ones((batch,), bool), zeros, zeros)
-    _, end, _, accepted, token = jax.lax.while_loop(undecided, next_level, start)
     return accepted, token, jnp.take_along_axis(block.paths, end[:, None, None], axis=1)[:, 0]
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.decode.round_timing import prefilled_state
 from mtp_jax.decode.rounds import Round, RoundKind, round_context, verify
-from mtp_jax.decode.sampling import greedy_accept, greedy_accept_row_by_row, rejection_accept
+from mtp_jax.decode.sampling import greedy_accept, greedy_walk, rejection_accept
 from mtp_jax.models.kv_cache import cache_slots
 from tests.support.tiny_models import tiny_config
 
@@ -56,8 +56,10 @@ def test_greedy_acceptance_row_by_row_is_the_blocks(batch):
         jax.debug.callback(lambda: made.append(1))
         return rows @ jnp.asarray(head)
 
-    lazily = jax.jit(functools.partial(greedy_accept_row_by_row, logits_of=logits_of))
-    accepted, token = (np.asarray(x) for x in lazily(jnp.asarray(drafts, jnp.int32), jnp.asarray(hidden)))
+    chain = jnp.broadcast_to(jnp.arange(k), (batch, k))  # draft i's parent: entry i
+    lazily = jax.jit(functools.partial(greedy_walk, logits_of=logits_of))
+    accepted, token, end = (np.asarray(x) for x in lazily(jnp.asarray(drafts, jnp.int32), chain, jnp.asarray(hidden)))
+    np.testing.assert_array_equal(end, accepted)  # a chain's path ends at the entry of its last accepted draft
     block = greedy_accept(jnp.asarray(drafts, jnp.int32), jnp.asarray(hidden @ head))
     np.testing.assert_array_equal(accepted, np.asarray(block[0]))
     np.testing.assert_array_equal(token, np.asarray(block[1]))

@@ -18,7 +18,8 @@ from mtp_jax.config import execution_plan
 from mtp_jax.decode import speculative
 from mtp_jax.decode.prefill import prefill
 from mtp_jax.decode.rounds import Round, RoundKind, draft, round_context
-from mtp_jax.decode.tree import accepted_path, draft_tree, greedy_walk
+from mtp_jax.decode.sampling import greedy_walk
+from mtp_jax.decode.tree import accepted_path, draft_tree
 from mtp_jax.families.registry import model_config_from_hf, tiny_configs
 from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree
@@ -290,6 +291,8 @@ def test_accepted_path_is_the_reference_walk():
         assert path[b, : want_depth + 1].tolist() == want_path, b
     assert len(set(accepted.tolist())) >= 3  # paths of several depths were checked
     hidden = jax.nn.one_hot(picks, 4)  # [B, N+1, 4]: logits whose argmax is each entry's pick
-    walked = greedy_walk(jnp.asarray(tokens), BlockTree.of(jnp.asarray(parents), depth), hidden, lambda rows: rows)
-    for got, want in zip(walked, (accepted, token, path), strict=True):  # the walk that makes logits on the path only
-        np.testing.assert_array_equal(np.asarray(got), want)
+    walked_depth, walked_token, end = greedy_walk(jnp.asarray(tokens), jnp.asarray(parents[:, 1:]), hidden, lambda h: h)
+    block = BlockTree.of(jnp.asarray(parents), depth)
+    walked_path = jnp.take_along_axis(block.paths, end[:, None, None], axis=1)[:, 0]
+    for got, want in zip((walked_depth, walked_token, walked_path), (accepted, token, path), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)  # the walk that makes logits on the path only
