@@ -16,10 +16,13 @@ through libtpu) the same jitted programs `generate` runs. From them:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
+import os
 import time
 
 import jax
@@ -43,6 +46,8 @@ from mtp_jax.plan.topology import Target
 from mtp_jax.quant.formats import quantize_model
 
 PARAM_SIZED = 0.01  # a collective moving more than this fraction of a device's parameter bytes is flagged
+PROGRAMS_KEPT = 16  # compiled programs a process keeps for plans that compile them again (`compiled`)
+_KEPT: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # key -> (compiled, compile seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +137,34 @@ def _rounds(graphdef, cfg: DecodeConfig, unroll: bool, params, caches, state, sa
             return jax.lax.while_loop(running, body, state)
 
 
+def compiled(mesh: jax.sharding.Mesh, lowered):
+    """`lowered.compile()` (a program over `mesh`), and the seconds that compile took. A process that plans several
+    workloads (chains and trees, a plain step beside each round) lowers some programs more than once; the same
+    program text for the same devices under the same compiler settings is compiled once, and the PROGRAMS_KEPT last
+    ones are kept."""
+    devices = (mesh.axis_names, mesh.devices.shape, tuple(mesh.devices.flat))
+    settings = (jax.config.values["jax_disable_most_optimizations"], os.environ.get("XLA_FLAGS"),
+                os.environ.get("LIBTPU_INIT_ARGS"))  # fmt: skip
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), devices, settings)
+    if key in _KEPT:
+        _KEPT.move_to_end(key)
+        return _KEPT[key]
+    start = time.perf_counter()
+    kept = _KEPT[key] = (lowered.compile(), time.perf_counter() - start)
+    if len(_KEPT) > PROGRAMS_KEPT:
+        _KEPT.popitem(last=False)
+    return kept
+
+
 def compile_generate(model: CausalLM, work: Workload):
     """The whole program `generate` runs (greedy), compiled for the model's mesh."""
+    return _timed_generate(model, work)[0]
+
+
+def _timed_generate(model: CausalLM, work: Workload):
     ids, lens, key, sampling = _inputs(model, work)
-    return speculative.lower_generate(model, ids, lens, key, sampling, work.decode_config(), greedy=True).compile()
+    lowered = speculative.lower_generate(model, ids, lens, key, sampling, work.decode_config(), greedy=True)
+    return compiled(model.sharding_rules.mesh, lowered)
 
 
 def start_state(model: CausalLM, work: Workload, num_draft: int, shardings=None):
@@ -145,14 +174,15 @@ def start_state(model: CausalLM, work: Workload, num_draft: int, shardings=None)
     ids, lens, key, sampling = _inputs(model, work)
     cfg = work.decode_config(num_draft)
     if shardings is None:
-        shardings = _start.lower(graphdef, params, ids, lens, key, sampling, cfg=cfg).compile().output_shardings
+        prefill = _start.lower(graphdef, params, ids, lens, key, sampling, cfg=cfg)
+        shardings = compiled(model.sharding_rules.mesh, prefill)[0].output_shardings
     shapes = jax.eval_shape(functools.partial(_start, graphdef, cfg=cfg), params, ids, lens, key, sampling)
     return jax.tree.map(lambda s, shard: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shard), shapes, shardings)
 
 
 def compile_round(model: CausalLM, work: Workload, num_draft: int, state=None, unroll: bool = False):
     """The decode loop of rounds by itself, compiled (see `lower_round`)."""
-    return lower_round(model, work, num_draft, state, unroll).compile()
+    return compiled(model.sharding_rules.mesh, lower_round(model, work, num_draft, state, unroll))[0]
 
 
 def lower_round(model: CausalLM, work: Workload, num_draft: int, state=None, unroll: bool = False):
@@ -201,15 +231,15 @@ def with_segment_repeats(cfg: ModelConfig, repeats: tuple[int, ...]) -> ModelCon
     return cut
 
 
-def _flops_of(lowered) -> float:
+def _flops_of(model: CausalLM, lowered) -> float:
     """XLA's flop count of the compiled program; where a cross-compiled executable has none (compile-only GPUs), its
     products' flops counted off its HLO (`hlo_text.dot_flops`): a lower bound, since XLA:GPU computes a one-row
     product as a reduction, not a dot (measured on an H100:
     docs/benchmarks-log.md#deepseek-v3-in-fp8-on-a-node-of-8-gpus-compiled-by-xlagpu---topology-gpu8-one-h100)."""
-    compiled = lowered.compile()
-    analysis = compiled.cost_analysis()
+    program = compiled(model.sharding_rules.mesh, lowered)[0]
+    analysis = program.cost_analysis()
     if not analysis:
-        return float(hlo_text.dot_flops(compiled.as_text()))
+        return float(hlo_text.dot_flops(program.as_text()))
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     return float(analysis.get("flops", 0.0))
 
@@ -237,7 +267,9 @@ def round_cost(
 
     def flops(repeats):
         model = abstract_model(with_segment_repeats(cfg, repeats), dtype, rules, weights, layout)
-        return _flops_of(lower_round(model, work, num_draft, start_state(model, work, num_draft, shardings), True))
+        return _flops_of(
+            model, lower_round(model, work, num_draft, start_state(model, work, num_draft, shardings), True)
+        )
 
     at_base = flops(base)
     total = at_base
@@ -297,23 +329,22 @@ def memory_report(model: CausalLM, work: Workload, target: Target, state) -> dic
     and the whole program, or `fits: false` with the compiler's reason when it refuses the program; compile time."""
     params = shard_bytes(nnx.split(model)[1])
     caches = shard_bytes([state.cache, state.mtp_cache])
-    start = time.perf_counter()
     report = {"params": params, "caches": caches, "capacity": target.capacity_bytes}
+    start = time.perf_counter()
     try:
-        compiled = compile_generate(model, work)
+        program, seconds = _timed_generate(model, work)
     except Exception as e:  # the compiler's own refusal of a program that does not fit
         if not is_out_of_memory(e):
             raise
         first = next((line for line in str(e).splitlines() if "RESOURCE_EXHAUSTED" in line), str(e).splitlines()[0])
         return {**report, "temporaries": None, "total": None, "fits": False, "reason": first.strip()[:300],
                 "compile_seconds": time.perf_counter() - start}  # fmt: skip
-    seconds = time.perf_counter() - start
-    stats = compiled.memory_analysis()
+    stats = program.memory_analysis()
     held = (
         stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
     )
     report |= {"temporaries": max(stats.temp_size_in_bytes - caches, 0), "total": int(held)}
-    return {**report, "fits": held <= target.capacity_bytes, "compile_seconds": seconds, "program": compiled}
+    return {**report, "fits": held <= target.capacity_bytes, "compile_seconds": seconds, "program": program}
 
 
 def round_program(model: CausalLM, work: Workload, num_draft: int, state, program=None) -> str:

@@ -13,6 +13,7 @@ the TPU v4 paper: six links of 50 GB/s): see docs/benchmarks.md#tpu-plans.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -92,19 +93,25 @@ def resolve(name: str, capacity_gib: float | None = None) -> Target:
             "(e.g. v5e:2x4, v5p:4x4x4), gpu:N or cpu:N"
         )
     try:
-        from jax.experimental import topologies  # needs libtpu, an optional dependency (the tpu extra)
-
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=name, **_tpu_bounds(dims))
+        devices = _tpu_devices(name, tuple(sorted(_tpu_bounds(dims).items())))
     except ImportError as e:
         raise UserError(f"compiling for {name} needs libtpu: pip install -e '.[tpu]' ({e})") from e
     except Exception as e:  # libtpu's own refusal: first line only
         raise UserError(f"libtpu refused topology {name!r}: {str(e).splitlines()[0]}") from e
     chip = CHIPS[generation]
-    devices = tuple(desc.devices)
     num_chips = math.prod(dims)
     per_device = chip.hbm_gib * GIB * num_chips / len(devices)
     capacity = int((capacity_gib * GIB) if capacity_gib else per_device)
     return Target(name, chip, devices, num_chips, capacity)
+
+
+@functools.cache
+def _tpu_devices(name: str, bounds: tuple) -> tuple:
+    """The devices of a TPU topology, described once per process: programs compiled for one description's devices
+    take only those devices' shardings, so plans in one process share them (and `planning.compiled` its programs)."""
+    from jax.experimental import topologies  # needs libtpu, an optional dependency (the tpu extra)
+
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name, **dict(bounds)).devices)
 
 
 def _cpu_target(name: str, dims: list[int], capacity_gib: float | None) -> Target:

@@ -131,6 +131,34 @@ def test_topologies_resolve_with_their_chip_figures():
 
 @pytest.mark.slow
 @pytest.mark.tpu_compile
+def test_a_program_planned_again_is_compiled_once_for_the_same_mesh():
+    """`planning.compiled`: a program lowered again for the same mesh is compiled once, its first compile's seconds
+    reported; the same program text over another mesh of the same devices, or under other compiler settings, is
+    compiled again (a program's output shardings name its own mesh)."""
+    devices = topology.resolve("v5e:2x2").devices
+    assert topology.resolve("v5e:2x2").devices is devices  # one description a process: programs take its devices
+
+    def lowered(mesh):
+        spec = NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))
+        return jax.jit(lambda x: jnp.sin(x) * 2, in_shardings=spec, out_shardings=spec).lower(
+            jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=spec)
+        )
+
+    square = sharding.make_mesh("data=2,model=2", devices)
+    line = sharding.make_mesh("data=1,model=4", devices)
+    first, seconds = planning.compiled(square, lowered(square))
+    assert planning.compiled(square, lowered(square)) == (first, seconds)
+    assert planning.compiled(line, lowered(line))[0] is not first
+    optimizations = jax.config.values["jax_disable_most_optimizations"]
+    try:
+        jax.config.update("jax_disable_most_optimizations", not optimizations)
+        assert planning.compiled(square, lowered(square))[0] is not first
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimizations)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 def test_meshes_split_physical_axes_of_the_torus():
     devices = topology.resolve("v5p:4x4x4").devices
     mesh = sharding.make_mesh("data=1,model=8,expert=8", devices)  # 8 is no product of the 4x4x4 torus's axes
