@@ -162,6 +162,7 @@ def compile_generate(model: CausalLM, work: Workload):
 
 
 def _timed_generate(model: CausalLM, work: Workload):
+    """`compile_generate`'s program and the seconds its compile took (`compiled`)."""
     ids, lens, key, sampling = _inputs(model, work)
     lowered = speculative.lower_generate(model, ids, lens, key, sampling, work.decode_config(), greedy=True)
     return compiled(model.sharding_rules.mesh, lowered)
