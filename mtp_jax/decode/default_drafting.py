@@ -177,7 +177,7 @@ def _read(path: Path) -> dict:
 
 def _costs_key(model, batch_size: int, max_draft: int, invariant: bool, kind: str) -> str:
     """Everything the measurement depends on but the prompts: the model's config and parameter shapes and dtypes,
-    a sample of their values (`values_sample`), the kernel's build and ISA level, JAX's version, the CPU's cores, the
+    a sample of their values (`values_sample`), the kernel's library and ISA level, JAX's version, the CPU's cores, the
     batch, the drafts, the numerics."""
     leaves = [(x.shape, str(x.dtype)) for x in jax.tree.leaves(nnx.state(model))]
     parts = [
@@ -185,6 +185,7 @@ def _costs_key(model, batch_size: int, max_draft: int, invariant: bool, kind: st
         repr(leaves),
         values_sample(model),
         cpu_rows.level(),
+        str(cpu_rows.library_name()),
         jax.devices()[0].device_kind,
         " ".join(kernel_build.flags()),
         jax.__version__,

@@ -46,7 +46,9 @@ def product_implementation(equation: str, x: jax.Array, weight: Any) -> Callable
     if plan.products is Products.FIXED_TILES:
         return fixed_tiles.run_product
     if plan.products is Products.CPU_ROWS and cpu_rows.takes(equation, x, weight, plan.invariant):
-        if plan.invariant or kernel_choice.product_key(equation, x, weight) not in plan.kernel_loses:
+        if plan.invariant or cpu_rows.tiled(weight):  # (XLA would read a weight in tile order permuted back)
+            return cpu_rows.run_product
+        if kernel_choice.product_key(equation, x, weight) not in plan.kernel_loses:
             return cpu_rows.run_product
     return None
 

@@ -20,8 +20,9 @@ from mtp_jax.params.converted import is_converted, restore_converted
 from mtp_jax.params.open_source import open_source
 from mtp_jax.params.tree import assemble, nest
 from mtp_jax.quant.formats import ACTIVATION_FORMATS, head_in_trunk_blocks, quantize_model
-from mtp_jax.quant.int8_activations import mark_int8_activations
+from mtp_jax.quant.int8_activations import has_int8_activations, mark_int8_activations
 from mtp_jax.quant.quantized_array import is_quantized
+from mtp_jax.quant.row_tiles import tile_for_row_kernel
 from mtp_jax.runtime.errors import UserError
 from mtp_jax.runtime.transformers_import import import_transformers
 
@@ -79,7 +80,7 @@ def load(
     rules = rules_for(mesh)
     if keeps_gguf_blocks(weights, rules) and not float_head:
         model = head_in_trunk_blocks(model)  # a GGUF trunk's blocks: the MTP layer in Q8_0 blocks beside them
-    return with_activations(model, activations, rules, weights), tokenizer
+    return in_row_kernel_order(with_activations(model, activations, rules, weights), rules), tokenizer
 
 
 def int8_pays(weights: str, rules: ShardingRules | None) -> bool:
@@ -102,6 +103,16 @@ def with_activations(model, activations: str, rules: ShardingRules | None = None
             "activations int8 needs weights in blocks: --weights int4, or a GGUF's Q4_1 and Q8_0 blocks under "
             "--weights auto on a CPU"
         )
+    return model
+
+
+def in_row_kernel_order(model, rules: ShardingRules | None = None):
+    """`model` with the weights that the CPU row kernel's int8-rows product reads stored in its tile order
+    (`quant.row_tiles`: one sequential stream a weight, the same results), in place, where that kernel runs: a CPU,
+    one device, the kernel built."""
+    one_device = rules is None or rules.mesh.devices.size == 1
+    if jax.default_backend() == "cpu" and one_device and has_int8_activations(model) and cpu_rows.status() == "ready":
+        tile_for_row_kernel(model)
     return model
 
 

@@ -44,6 +44,8 @@ def xla_project(equation: str, x: jax.Array, weight, out_dtype, invariant: bool)
     quantized weight in the matmul as stored, or dequantized first in a pass of many rows outside batch-invariant
     decoding (`dequantized_first`)."""
     weight = layer_value(weight)
+    if isinstance(weight, QuantizedArray):
+        weight = weight.in_rows()  # a weight in the CPU row kernel's tile order, permuted back
     if isinstance(weight, QuantizedArray) and not dequantized_first(equation, x, weight, invariant):
         return quantized_einsum(equation, x, weight).astype(out_dtype)  # the stored values in the matmul
     if isinstance(weight, QuantizedArray):

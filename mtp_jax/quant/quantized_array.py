@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+TILE_BYTES = 16  # bytes of each weight row a tile of the CPU row kernel's tile order (native/row_tiles.h)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +33,9 @@ class QuantizedArray:
     last axis, the even index in the low nibble; uint8 values are packed ones) times scales (float32 or float16,
     one axis per weight axis: 1, the axis's size, or a divisor of it for blocks of consecutive elements), plus
     `mins` where given (as the scales: 4-bit blocks store value * scale + min), read in `dtype`; `int8_activations`: the
-    activations multiplying it are rounded to int8 per block first (`mark_int8_activations`)."""
+    activations multiplying it are rounded to int8 per block first (`mark_int8_activations`); `tile_axes` (its last
+    (contracting, column) axes): values, scales and mins hold the CPU row kernel's tile order (`quant.row_tiles`),
+    which only that kernel reads; everything else reads the weight `in_rows`."""
 
     values: jax.Array
     scales: jax.Array
@@ -40,6 +44,7 @@ class QuantizedArray:
     packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
     bits_of: jnp.dtype | None = dataclasses.field(default=None, metadata=dict(static=True))  # `hold_float8_as_bits`
     int8_activations: bool = dataclasses.field(default=False, metadata=dict(static=True))  # `mark_int8_activations`
+    tile_axes: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))  # `in_rows`
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,16 +62,32 @@ class QuantizedArray:
 
     def levels(self) -> jax.Array:
         """The stored values in the weight's shape (4-bit ones unpacked, as uint8; float8 bits read as float8)."""
+        if self.tile_axes is not None:
+            return self.in_rows().levels()
         if self.packed:
             return unpack_nibbles(self.values)
         return self.values if self.bits_of is None else jax.lax.bitcast_convert_type(self.values, self.bits_of)
 
     def as_stored(self) -> QuantizedArray:
-        """This weight with float8 values held as bits (`hold_float8_as_bits`) back in their float8 type: as files
-        and checkpoints store it."""
-        return self if self.bits_of is None else dataclasses.replace(self, values=self.levels(), bits_of=None)
+        """This weight in row order, with float8 values held as bits (`hold_float8_as_bits`) back in their float8
+        type: as files and checkpoints store it."""
+        rows = self.in_rows()
+        return rows if rows.bits_of is None else dataclasses.replace(rows, values=rows.levels(), bits_of=None)
+
+    def in_rows(self) -> QuantizedArray:
+        """This weight with its values, scales and mins in row order (from the row kernel's tile order; a weight in
+        row order as it is)."""
+        if self.tile_axes is None:
+            return self
+        order = lambda a, per: None if a is None else scale_tiles(a, self.tile_axes, per, inverse=True)
+        per = 2 if self.packed else 1
+        values = value_tiles(self.values, self.tile_axes, inverse=True)
+        return dataclasses.replace(self, values=values, scales=order(self.scales, per), mins=order(self.mins, per),
+                                   tile_axes=None)  # fmt: skip
 
     def dequantize(self) -> jax.Array:
+        if self.tile_axes is not None:
+            return self.in_rows().dequantize()
         w = self.levels().astype(jnp.float32) * expand_blocks(self.scales.astype(jnp.float32), self.shape)
         if self.mins is not None:
             w = w + expand_blocks(self.mins.astype(jnp.float32), self.shape)
@@ -98,6 +119,37 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
     """`pack_nibbles` undone: uint8 [..., n] -> [..., 2n]."""
     pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
     return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def value_tiles(values: jax.Array, axes: tuple[int, int], inverse: bool = False) -> jax.Array:
+    """A weight's bytes [..., K axes, N axes] (`axes`: how many of its last axes contract and how many are columns;
+    4-bit values packed, so N bytes) in the CPU row kernel's tile order (native/row_tiles.h), the same shape: tiles of
+    TILE_BYTES bytes of every row ([K, N] flattened), tile after tile, each four rows after four, byte i of row j of
+    four at 4 i + j. `inverse`: back to row order."""
+    contracting, columns = axes
+    lead = values.shape[: values.ndim - contracting - columns]
+    k = math.prod(values.shape[len(lead) : values.ndim - columns])
+    row = math.prod(values.shape[values.ndim - columns :])
+    tiles, n = row // TILE_BYTES, len(lead)
+    if inverse:  # [.., tiles, K / 4, TILE_BYTES, 4] -> [.., K / 4, 4, tiles, TILE_BYTES]
+        split, order = (tiles, k // 4, TILE_BYTES, 4), (1, 3, 0, 2)
+    else:
+        split, order = (k // 4, 4, tiles, TILE_BYTES), (2, 0, 3, 1)
+    moved = jnp.transpose(values.reshape(*lead, *split), (*range(n), *(n + a for a in order)))
+    return moved.reshape(values.shape)
+
+
+def scale_tiles(scales: jax.Array, axes: tuple[int, int], per_byte: int, inverse: bool = False) -> jax.Array:
+    """A weight's scales or mins [..., KB axes, N axes] (a scale per column and block) in the tile order of its values
+    (`value_tiles`, `per_byte` columns a byte), the same shape: tile after tile, block after block, a block's
+    TILE_BYTES values of the even columns then the odd ones' (4-bit), or its columns' (8-bit). `inverse`: back."""
+    contracting, columns = axes
+    lead = scales.shape[: scales.ndim - contracting - columns]
+    kb, n = math.prod(scales.shape[len(lead) : scales.ndim - columns]), math.prod(scales.shape[scales.ndim - columns :])
+    tiles, m = n // (TILE_BYTES * per_byte), len(lead)
+    split = (tiles, kb, per_byte, TILE_BYTES) if inverse else (kb, tiles, TILE_BYTES, per_byte)
+    moved = jnp.transpose(scales.reshape(*lead, *split), (*range(m), m + 1, m, m + 3, m + 2))
+    return moved.reshape(scales.shape)
 
 
 def dense(weight: jax.Array | QuantizedArray) -> jax.Array:

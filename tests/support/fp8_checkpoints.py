@@ -82,11 +82,13 @@ def logits_of(model, prompts: np.ndarray) -> np.ndarray:
 
 
 def params_of(model) -> dict[str, np.ndarray]:
-    """Every parameter array (a quantized weight's values and scales apart), by path."""
+    """Every parameter array (a quantized weight's values and scales apart, in row order), by path."""
     state = nnx.to_flat_state(nnx.state(model, nnx.Param))
     out = {}
     for path, variable in state:
-        for key, leaf in jax.tree_util.tree_flatten_with_path(variable.get_value())[0]:
+        value = variable.get_value()
+        value = value.in_rows() if isinstance(value, QuantizedArray) else value  # (a CPU load's tile order)
+        for key, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             out["/".join(map(str, path)) + jax.tree_util.keystr(key)] = np.asarray(leaf)
     return out
 

@@ -94,6 +94,12 @@ def level() -> str:
     return _LEVEL[0] if state == "ready" else state
 
 
+def library_name() -> str | None:
+    """The registered kernel library's file name (a hash of its sources, compiler, jaxlib and CPU), or None where no
+    kernel is ready."""
+    return _REGISTERED[0].name if status() == "ready" else None
+
+
 def integer_dot() -> str | None:
     """How the registered kernel's int8-rows product sums a lane's four products ("vpdpbusd", "vpmaddubsw", "sdot";
     "none" where it adds them one at a time), or None where no kernel is ready."""
@@ -170,9 +176,32 @@ def takes(equation: str, x: jax.Array, weight, invariant: bool) -> bool:
         return False
     if stacked and not matmul_layout.reads_in_place(lay):
         return False
+    if tiled(layer_weight) and not _tiles_fit(lay, layer_weight):
+        return False  # XLA's product reads it, in row order
     if not invariant and lay.gmkn[1] > ROWS_MAX:
         return False
     return status() == "ready"
+
+
+def tiled(weight) -> bool:
+    """Whether a weight (or a StackedWeight's layer, as shapes) is stored in the kernel's tile order
+    (`quant.row_tiles`)."""
+    if isinstance(weight, StackedWeight):
+        weight = weight.layer_shapes()
+    return isinstance(weight, QuantizedArray) and weight.tile_axes is not None
+
+
+def _tiles_fit(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
+    """Whether a product of `lay` reads `weight` (in tile order) as its tiles lie: a [G, K, N] matrix in place whose
+    contracting and column letters are the weight's last `tile_axes`."""
+    contracting, columns = weight.tile_axes
+    rhs = lay.rhs
+    return (
+        not lay.transposed
+        and matmul_layout.reads_in_place(lay)
+        and tuple(rhs[len(rhs) - contracting - columns : len(rhs) - columns]) == lay.contract
+        and tuple(rhs[len(rhs) - columns :]) == lay.cols
+    )
 
 
 def _kernel_weight(weight) -> bool:
@@ -231,7 +260,8 @@ def einsum(equation: str, x: jax.Array, weight) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32), vmap_method="sequential")
     packed = isinstance(layer_weight, QuantizedArray) and layer_weight.packed
     int8_activations = isinstance(layer_weight, QuantizedArray) and layer_weight.int8_activations
-    attrs = dict(transposed=np.int64(lay.transposed), packed=np.int64(packed), int8_rows=np.int64(int8_activations))
+    attrs = dict(transposed=np.int64(lay.transposed), packed=np.int64(packed), int8_rows=np.int64(int8_activations),
+                 tiled=np.int64(tiled(layer_weight)))  # fmt: skip
     product = call(rows, values, scales, mins.astype(scales.dtype), first, **attrs)  # [G, M, N]
     return matmul_layout.output(lay, product)
 
@@ -254,7 +284,7 @@ def xla_einsum(equation: str, x: jax.Array, weight) -> jax.Array:
     """The same product by XLA, float32 out (its gradients are the kernel's)."""
     weight = layer_value(weight)
     if isinstance(weight, QuantizedArray):
-        return quantized_einsum(equation, x, weight)
+        return quantized_einsum(equation, x, weight.in_rows())
     return jnp.einsum(equation, x, weight, preferred_element_type=jnp.float32)
 
 

@@ -65,7 +65,31 @@ struct Case {
   bool transposed, half, mins, int8_rows;
   bool extreme = false;  // every 4-bit value 15 and every x of a block's largest magnitude, one sign a row: the
   // largest integer sums a block can make (16-bit pair sums near their limit)
+  bool tiled = false;  // [K, N] int8 rows with the weight in tile order (row_tiles.h), as well as as rows
 };
+
+// A [K, N] weight's bytes (row_bytes a row) and its scales or mins [KB, N] (`bits`-bit values) in tile order: tiles
+// of 16 bytes of every row, block by block, quad of rows by quad, byte i of row j of a quad at 4 i + j; scales tile
+// by tile, block by block, 4-bit: the 16 even columns' then the 16 odd ones'.
+std::vector<uint8_t> tile_bytes(const std::vector<uint8_t>& rows, int64_t K, int64_t row_bytes) {
+  std::vector<uint8_t> tiled(rows.size());
+  int64_t at = 0;
+  for (int64_t t = 0; t < row_bytes / 16; ++t)
+    for (int64_t k = 0; k < K; k += 4)
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t j = 0; j < 4; ++j) tiled[at++] = rows[(k + j) * row_bytes + 16 * t + i];
+  return tiled;
+}
+template <typename T>
+std::vector<T> tile_scales(const std::vector<T>& scales, int64_t KB, int64_t N, int bits) {
+  std::vector<T> tiled;
+  const int64_t columns = bits == 4 ? 32 : 16;
+  for (int64_t t = 0; t < N / columns; ++t)
+    for (int64_t b = 0; b < KB; ++b)
+      for (int64_t h = 0; h < (bits == 4 ? 2 : 1); ++h)
+        for (int64_t i = 0; i < 16; ++i) tiled.push_back(scales[b * N + t * columns + (bits == 4 ? 2 * i + h : i)]);
+  return tiled;
+}
 
 // A weight of form W, its scales and mins as the kernel reads them, and its values as doubles [K][N].
 template <typename W>
@@ -140,15 +164,29 @@ void check_product(const Case& c, uint32_t seed) {
     if constexpr (std::is_same_v<X, float>) xd[i] = x[i] = value;
     else xd[i] = to_float(x[i] = to_bf16(value));
   }
-  const Blocks q{c.half ? static_cast<const void*>(w.scales16.data()) : w.scales32.data(),
-                 c.mins ? static_cast<const void*>(w.mins16.data()) : nullptr, c.half, KB, c.int8_rows};
-  const Weights<W> weights{reinterpret_cast<decltype(Weights<W>{}.data)>(w.bytes.data())};
+  const Blocks as_rows{c.half ? static_cast<const void*>(w.scales16.data()) : w.scales32.data(),
+                       c.mins ? static_cast<const void*>(w.mins16.data()) : nullptr, c.half, KB, c.int8_rows};
+  const Weights<W> rows_weights{reinterpret_cast<decltype(Weights<W>{}.data)>(w.bytes.data())};
+  constexpr int bits = std::is_same_v<W, U4> ? 4 : 8;
+  const std::vector<uint8_t> tiled = c.tiled ? tile_bytes(w.bytes, K, bits == 4 ? N / 2 : N) : w.bytes;
+  const std::vector<uint16_t> scales16 = c.tiled ? tile_scales(w.scales16, KB, N, bits) : w.scales16;
+  const std::vector<uint16_t> mins16 = c.tiled && c.mins ? tile_scales(w.mins16, KB, N, bits) : w.mins16;
+  Blocks q = as_rows;
+  q.scales = c.half ? static_cast<const void*>(scales16.data()) : w.scales32.data();
+  q.mins = c.mins ? static_cast<const void*>(mins16.data()) : nullptr;
+  q.tiled = c.tiled;
+  const Weights<W> weights{reinterpret_cast<decltype(Weights<W>{}.data)>(tiled.data())};
   auto product = [&](int64_t rows, int64_t first_row, int64_t n0, int64_t n1, std::vector<float>& out) {
     out.assign(rows * N, 0.0f);
     columns(x.data() + first_row * K, rows, K, weights, N, c.transposed, n0, n1, q, out.data());
   };
   std::vector<float> all, part;
   product(M, 0, 0, N, all);
+  if (c.tiled) {  // the same bits as the weight stored as rows
+    part.assign(M * N, 0.0f);
+    columns(x.data(), M, K, rows_weights, N, c.transposed, 0, N, as_rows, part.data());
+    expect(std::memcmp(part.data(), all.data(), M * N * sizeof(float)) == 0, c.name + ": the bits of rows");
+  }
   const int64_t Kb = K / KB;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n) {
@@ -336,7 +374,18 @@ int main() {
   c.name = "4-bit by int8 rows, the largest sums";
   c.extreme = true;
   check_product<float, U4>(c, seed++);
+  c.name = "4-bit by int8 rows in tile order, the largest sums";
+  c.tiled = true;
+  check_product<float, U4>(c, seed++);
+  c = {"4-bit by int8 rows in tile order", 192, 320, 6, false, true, true, true};
+  c.tiled = true;
+  check_product<float, U4>(c, seed++);
+  check_product<uint16_t, U4>(c, seed++);
   c = {"int8 blocks of 32 (Q8_0) by int8 rows", 192, 320, 6, false, true, false, true};
+  check_product<float, int8_t>(c, seed++);
+  check_product<uint16_t, int8_t>(c, seed++);
+  c.name = "int8 blocks of 32 (Q8_0) by int8 rows in tile order";
+  c.tiled = true;
   check_product<float, int8_t>(c, seed++);
   check_product<uint16_t, int8_t>(c, seed++);
   c = {"int8 blocks of 32 (Q8_0) [N, K] by int8 rows", 192, 300, 6, true, true, false, true};

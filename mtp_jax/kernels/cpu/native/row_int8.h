@@ -272,14 +272,30 @@ inline void add_wide_quad(const uint8_t* p, int64_t row_bytes, const Quad* xq, S
     add_quad<Bits, R>(quads[j], xq, [&](int r, int h) -> Ints& { return sum(r, j, h); });
 }
 
-// Block b's integer sums of a strip, times the block's scales and d, plus its mins times s, added to the float sums
-// (one fused multiply-add chain per column, blocks in order). The strip: the one starting at output column `column`
-// (wide < 0), or strip `wide` of the unit of kWideStrips starting there (its lanes in wide_byte order).
+// Block b's integer sums (sum(r, h)) times the block's scales and d, plus its mins times s (`mins`), added to the
+// float sums acc(r, h): one fused multiply-add chain per column, blocks in order.
+template <int Bits, int R, typename Sum, typename Acc>
+inline void fold_block(const RoundedRows& x, int64_t m0, int64_t KB, int64_t b, const Vec* scale, const Vec* min,
+                       bool mins, Sum sum, Acc acc) {
+  constexpr int H = Bits == 4 ? 2 : 1;
+  for (int r = 0; r < R; ++r) {
+    const int64_t rb = (m0 + r) * KB + b;
+    const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
+    for (int h = 0; h < H; ++h) {
+      Ints total = Bits == 4 ? widen_small(sum(r, h)) : sum(r, h);
+      if constexpr (Bits == 8) total -= kOffset * x.qsum[rb];  // 8-bit weights offset by 128 added 128 sum(q)
+      Vec& a = acc(r, h);
+      a = fma(__builtin_convertvector(total, Vec), scale[h] * d, mins ? fma(min[h], shift, a) : a);
+    }
+  }
+}
+
+// fold_block for a strip of a [K, N] weight: the one starting at output column `column` (wide < 0), or strip `wide`
+// of the unit of kWideStrips starting there (its lanes in wide_byte order).
 template <int Bits, int R, typename Sum, typename Acc>
 inline void fold_strip_block(const RoundedRows& x, int64_t m0, const Blocks& q, int64_t N, int64_t b, int64_t column,
                              int wide, Sum sum, Acc acc) {
-  constexpr int H = Bits == 4 ? 2 : 1;
-  Vec scale[H], min[H] = {};
+  Vec scale[2], min[2] = {};
   const int64_t i = b * N + column;
   if constexpr (Bits == 4) {
     if (wide < 0) {
@@ -293,16 +309,7 @@ inline void fold_strip_block(const RoundedRows& x, int64_t m0, const Blocks& q, 
     scale[0] = wide < 0 ? q.vector(q.scales, i, kLanes) : wide_values(q, q.scales, i, wide);
     if (q.mins) min[0] = wide < 0 ? q.vector(q.mins, i, kLanes) : wide_values(q, q.mins, i, wide);
   }
-  for (int r = 0; r < R; ++r) {
-    const int64_t rb = (m0 + r) * q.KB + b;
-    const Vec d = splat(x.d[rb]), shift = splat(x.s[rb]);
-    for (int h = 0; h < H; ++h) {
-      Ints total = Bits == 4 ? widen_small(sum(r, h)) : sum(r, h);
-      if constexpr (Bits == 8) total -= kOffset * x.qsum[rb];  // 8-bit weights offset by 128 added 128 sum(q)
-      Vec& a = acc(r, h);
-      a = fma(__builtin_convertvector(total, Vec), scale[h] * d, q.mins ? fma(min[h], shift, a) : a);
-    }
-  }
+  fold_block<Bits, R>(x, m0, q.KB, b, scale, min, q.mins != nullptr, sum, acc);
 }
 
 // The strip's float sums written to its output columns (4-bit: even and odd columns interleaved back); `column` and
@@ -487,3 +494,5 @@ void int8_rows_transposed(const X* x, int64_t M, int64_t K, const int8_t* w, int
 }
 
 }  // namespace rows
+
+#include "row_tiles.h"

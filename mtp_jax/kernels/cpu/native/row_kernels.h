@@ -281,6 +281,7 @@ struct Blocks {
   bool half;
   int64_t KB;
   bool int8_rows = false;  // 4-bit and int8 weights in blocks: x's rows rounded to int8 per block first (row_int8.h)
+  bool tiled = false;      // such a [K, N] weight, its values, scales and mins in tile order (row_tiles.h)
   float value(const void* p, int64_t i) const {
     if (!half) return static_cast<const float*>(p)[i];
 #if defined(__F16C__)
@@ -299,7 +300,7 @@ struct Blocks {
   Blocks at_matrix(int64_t g, int64_t N) const {  // the blocks of matrix g
     const int64_t offset = g * KB * N * (half ? 2 : 4);
     return {static_cast<const char*>(scales) + offset, mins ? static_cast<const char*>(mins) + offset : nullptr, half,
-            KB, int8_rows};
+            KB, int8_rows, tiled};
   }
 };
 
@@ -800,10 +801,12 @@ void columns(const X* x, int64_t M, int64_t K, Weights<W> w, int64_t N, bool tra
     }
   }
   if constexpr (std::is_same_v<W, U4>) {
+    if (q.tiled) return int8_tiles_columns<4>(x, M, K, w.data, N, n0, n1, q, out);
     if (q.int8_rows) return int8_rows_columns<4>(x, M, K, w.data, N, n0, n1, q, out);  // not transposed (checked)
   }
   if constexpr (std::is_same_v<W, int8_t>) {
     if (q.int8_rows && transposed) return int8_rows_transposed(x, M, K, w.data, N, n0, n1, q, out);
+    if (q.tiled) return int8_tiles_columns<8>(x, M, K, reinterpret_cast<const uint8_t*>(w.data), N, n0, n1, q, out);
     if (q.int8_rows)
       return int8_rows_columns<8>(x, M, K, reinterpret_cast<const uint8_t*>(w.data), N, n0, n1, q, out);
   }

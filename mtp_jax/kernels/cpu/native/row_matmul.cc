@@ -12,6 +12,8 @@
 //   int8_rows  (attribute) 4-bit weights [G, K, N] or int8 weights in blocks ([G, K, N] or [G, N, K]), the shapes
 //           `rows::int8_rows_reads` takes: x's rows rounded to int8 per block first, the blocks' products summed as
 //           integers (row_int8.h)
+//   tiled   (attribute) with int8_rows, a weight [G, K, N] whose values, scales and mins are stored in tile order
+//           (row_tiles.h), N a whole number of tiles
 //   first   int32 scalar: w, scales and mins hold S >= first + G matrices, of which first .. first + G - 1 are read
 //           (a layer's weight read in place from a stack of layers; 0 for a single weight)
 //   out     [G, M, N] float32
@@ -102,7 +104,7 @@ ffi::Error with_weights(ffi::ThreadPool pool, const X* x, ffi::DataType type, co
 
 ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
                      ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> first_matrix, ffi::ResultBuffer<ffi::F32> out,
-                     int64_t transposed, int64_t packed, int64_t int8_rows) {
+                     int64_t transposed, int64_t packed, int64_t int8_rows, int64_t tiled) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scales.dimensions();
@@ -133,7 +135,11 @@ ffi::Error RowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   if (int8_rows && !rows::int8_rows_reads(packed != 0, w.element_type() == ffi::S8, transposed != 0, K, N, KB))
     return ffi::Error::InvalidArgument("row_matmul: int8 rows need 4-bit weights [G, K, N] or int8 ones in blocks, "
                                        "of the shapes rows::int8_rows_reads takes");
-  const Blocks stack{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB, int8_rows != 0};
+  if (tiled && !(int8_rows && !transposed && rows::tiles_read(packed != 0, K, N, KB)))
+    return ffi::Error::InvalidArgument("row_matmul: a weight in tile order needs int8 rows and a [G, K, N] weight "
+                                       "of whole tiles");
+  const Blocks stack{scales.untyped_data(), has_mins ? mins.untyped_data() : nullptr, half, KB, int8_rows != 0,
+                     tiled != 0};
   const Blocks q = stack.at_matrix(first, N);
   const int64_t matrix_bytes = K * N * static_cast<int64_t>(ffi::ByteWidth(w.element_type())) / (packed ? 2 : 1);
   const char* weights = static_cast<const char*>(w.untyped_data()) + first * matrix_bytes;
@@ -164,7 +170,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MtpJaxRowMatmul, RowMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("transposed")
                                   .Attr<int64_t>("packed")
-                                  .Attr<int64_t>("int8_rows"));
+                                  .Attr<int64_t>("int8_rows")
+                                  .Attr<int64_t>("tiled"));
 
 // The ISA level the library was built for ("avx512", "avx2", "sse4", "neon", "neon-dotprod" or "generic"):
 // cpu_rows.level() reads it.

@@ -1,0 +1,170 @@
+"""Weights in the CPU row kernel's tile order (quant/row_tiles.py, native/row_tiles.h).
+
+- The order itself: values and scales permuted as the kernel's header documents it, checked against loops written
+  here, and back (`QuantizedArray.in_rows`).
+- The kernel reads a weight in tiles to the same bits as the weight in rows (4-bit and Q8_0 blocks, one and two
+  contracting axes, a layer read in place from its stack, 1 to 9 rows); a product whose layout the tiles do not fit
+  goes to XLA, which reads the weight back in row order.
+- Whole models (GQA, latent attention with routed experts, hybrid) tiled as a load tiles them decode the tokens of
+  the same model in rows, greedy MTP equal to plain, and save their weights in row order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mtp_jax.kernels import dispatch
+from mtp_jax.kernels.cpu import cpu_rows
+from mtp_jax.ops.stacked_weights import StackedWeight
+from mtp_jax.quant import formats, int4, int8_activations, row_tiles
+from mtp_jax.quant.int8 import quantize_int8_blocks
+from mtp_jax.quant.matmul_axes import MatmulAxes
+from mtp_jax.quant.quantized_array import QuantizedArray, scale_tiles, value_tiles
+from tests.support.decode_models import MODELS, decode, prompts_for
+
+needs_kernel = pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here")
+
+
+def looped_value_tiles(rows: np.ndarray) -> np.ndarray:
+    """[K, B] bytes in tile order, one byte at a time: tiles of 16 bytes of every row, four rows at a time, byte i of
+    row j of the four at 4 i + j."""
+    k, b = rows.shape
+    out = [rows[q + j, 16 * t + i] for t in range(b // 16) for q in range(0, k, 4) for i in range(16) for j in range(4)]
+    return np.array(out, rows.dtype).reshape(k, b)
+
+
+def looped_scale_tiles(scales: np.ndarray, per_byte: int) -> np.ndarray:
+    """[KB, N] scales in tile order: tile after tile, block after block, the even columns' then the odd ones'."""
+    kb, n = scales.shape
+    columns = 16 * per_byte
+    out = [
+        scales[b, columns * t + (per_byte * i + h)]
+        for t in range(n // columns)
+        for b in range(kb)
+        for h in range(per_byte)
+        for i in range(16)
+    ]
+    return np.array(out, scales.dtype).reshape(kb, n)
+
+
+def test_the_tile_order_is_the_documented_one_and_comes_back():
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 256, (2, 12, 3, 16), dtype=np.uint8)  # 2 stacked, K = 12, N bytes = 3 x 16
+    tiled = np.asarray(value_tiles(jnp.asarray(values), (1, 2)))
+    for layer in range(2):
+        want = looped_value_tiles(values[layer].reshape(12, 48)).reshape(12, 3, 16)
+        np.testing.assert_array_equal(tiled[layer], want)
+    np.testing.assert_array_equal(np.asarray(value_tiles(jnp.asarray(tiled), (1, 2), inverse=True)), values)
+    two_axes = rng.integers(0, 256, (4, 8, 32), dtype=np.uint8)  # K = 4 x 8 over two contracting axes
+    want = looped_value_tiles(two_axes.reshape(32, 32)).reshape(4, 8, 32)
+    np.testing.assert_array_equal(np.asarray(value_tiles(jnp.asarray(two_axes), (2, 1))), want)
+    for per_byte in (1, 2):
+        scales = rng.normal(size=(2, 3, 64)).astype(np.float16)  # 2 stacked, KB = 3, N = 64
+        tiled = np.asarray(scale_tiles(jnp.asarray(scales), (1, 1), per_byte))
+        for layer in range(2):
+            np.testing.assert_array_equal(tiled[layer], looped_scale_tiles(scales[layer], per_byte))
+        back = scale_tiles(jnp.asarray(tiled), (1, 1), per_byte, inverse=True)
+        np.testing.assert_array_equal(np.asarray(back), scales)
+
+
+def rounded(weight: QuantizedArray) -> QuantizedArray:
+    return dataclasses.replace(weight, int8_activations=True)
+
+
+WEIGHTS = {  # name: (equation, a weight in rows, its MatmulAxes contracting axes)
+    "4-bit [K, N]": ("MK,KN->MN", lambda w: rounded(int4.quantize_int4(w, (0,))), (192, 320), (0,)),
+    "Q8_0 [K, N]": ("MK,KN->MN", lambda w: rounded(quantize_int8_blocks(w, (0,))), (192, 320), (0,)),
+    "4-bit [N, H, D]": ("MNH,NHD->MD", lambda w: rounded(int4.quantize_int4(w, (0, 1))), (4, 64, 96), (0, 1)),
+}
+
+
+def _tiled(weight: QuantizedArray, contracting: tuple[int, ...]) -> QuantizedArray:
+    axes = row_tiles.tile_axes_of(weight, _axes(contracting))
+    assert axes is not None
+    return row_tiles.in_tiles(weight, axes)
+
+
+def _axes(contracting: tuple[int, ...]) -> MatmulAxes:
+    return MatmulAxes(contracting=contracting)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_the_kernel_reads_tiles_to_the_bits_of_rows(name):
+    equation, quantize, shape, contracting = WEIGHTS[name]
+    weight = quantize(jax.random.normal(jax.random.key(1), shape, jnp.float32) * 0.05)
+    tiled = _tiled(weight, contracting)
+    k_shape = shape[: len(contracting)]
+    x = jax.random.normal(jax.random.key(2), (9, *k_shape), jnp.float32)
+    assert cpu_rows.takes(equation, x, tiled, invariant=True)
+    product = jax.jit(lambda x, w: cpu_rows.einsum(equation, x, w))
+    for rows in (1, 2, 4, 9):
+        np.testing.assert_array_equal(np.asarray(product(x[:rows], tiled)), np.asarray(product(x[:rows], weight)))
+
+
+@needs_kernel
+def test_a_layer_in_tiles_is_read_in_place_from_its_stack():
+    layers = [rounded(int4.quantize_int4(jax.random.normal(jax.random.key(s), (64, 96)) * 0.05, (0,))) for s in (3, 4)]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    axes = row_tiles.tile_axes_of(stack, dataclasses.replace(_axes((1,)), batched=(0,)))
+    tiled = row_tiles.in_tiles(stack, axes)
+    x = jax.random.normal(jax.random.key(5), (3, 64))
+    for i, layer in enumerate(layers):
+        from_tiles = cpu_rows.einsum("MK,KN->MN", x, StackedWeight(tiled, jnp.int32(i)))
+        np.testing.assert_array_equal(np.asarray(from_tiles), np.asarray(cpu_rows.einsum("MK,KN->MN", x, layer)))
+
+
+def test_a_product_the_tiles_do_not_fit_reads_the_weight_in_rows():
+    weight = rounded(int4.quantize_int4(jax.random.normal(jax.random.key(6), (64, 96)) * 0.05, (0,)))
+    tiled = _tiled(weight, (0,))
+    x = jax.random.normal(jax.random.key(7), (2, 96))
+    assert not cpu_rows.takes("MN,KN->MK", x, tiled, invariant=True)  # contracting over the columns
+    np.testing.assert_array_equal(
+        np.asarray(dispatch.project("MN,KN->MK", x, tiled)), np.asarray(dispatch.project("MN,KN->MK", x, weight))
+    )
+    np.testing.assert_array_equal(np.asarray(tiled.dequantize()), np.asarray(weight.dequantize()))
+
+
+def test_weights_the_kernel_cannot_read_in_tiles_stay_in_rows():
+    w = jax.random.normal(jax.random.key(8), (64, 40)) * 0.05  # 40 columns: not whole tiles of 4-bit values
+    assert row_tiles.tile_axes_of(rounded(int4.quantize_int4(w, (0,))), _axes((0,))) is None
+    assert row_tiles.tile_axes_of(int4.quantize_int4(w, (0,)), _axes((0,))) is None  # float activations
+    wide = jax.random.normal(jax.random.key(9), (64, 64)) * 0.05
+    vocabulary = dataclasses.replace(_axes((0,)), vocabulary=True)
+    assert row_tiles.tile_axes_of(rounded(int4.quantize_int4(wide, (0,))), vocabulary) is None
+
+
+def _in_rows(model):
+    return {
+        path: param.get_value().in_rows()
+        for path, param in nnx.iter_graph(model)
+        if isinstance(param, nnx.Param) and isinstance(param.get_value(), QuantizedArray)
+    }
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_in_tiles_decode_the_tokens_of_rows(name):
+    rows_model = formats.quantize_model(MODELS[name](), "int4")
+    int8_activations.mark_int8_activations(rows_model)
+    tiled_model = formats.quantize_model(MODELS[name](), "int4")
+    int8_activations.mark_int8_activations(tiled_model)
+    assert row_tiles.tile_for_row_kernel(tiled_model) > 0
+    stored, before = _in_rows(tiled_model), _in_rows(rows_model)
+    for path, weight in before.items():
+        assert stored[path].tile_axes is None
+        for a, b in zip(jax.tree.leaves(stored[path]), jax.tree.leaves(weight), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompts = prompts_for(rows_model)
+    plain = decode(rows_model, prompts, 0)
+    for k in (0, 2):
+        tiled = decode(tiled_model, prompts, k)
+        np.testing.assert_array_equal(tiled.tokens, plain.tokens)
+        np.testing.assert_array_equal(tiled.lengths, plain.lengths)
