@@ -55,8 +55,9 @@ def in_blocks(weight: QuantizedArray) -> bool:
 def mark_int8_activations(model) -> int:
     """Mark every matmul weight of `model` stored in blocks (`in_blocks`: `--weights int4`, a GGUF's Q4_1 and Q8_0
     blocks) to multiply activations rounded to int8 per block (`activations_rounded_to_int8`), as llama.cpp multiplies
-    them, in place; returns how many. Embeddings keep float rows: an embedding read as a tied lm_head is a product of
-    [V, D] rows, whose int8 form on a CPU was no faster than its float one (docs/benchmarks-log.md). A different model
+    them, in place; returns how many. Embeddings keep float rows here: read as a tied lm_head, an embedding's [V, D]
+    rows by int8 rows were no faster than by float ones; stored in the row kernel's tiles of its [D, V] transpose,
+    they are, and `row_tiles.tile_for_row_kernel` marks it there (docs/benchmarks-log.md). A different model
     from the float activations' (logits move by about the weights' own error; measured in docs/benchmarks-log.md,
     "Batch 1 on a new CPU"), but plain and MTP decoding of it agree as ever: each row is rounded by itself."""
     marked = 0

@@ -33,8 +33,8 @@ class QuantizedArray:
     last axis, the even index in the low nibble; uint8 values are packed ones) times scales (float32 or float16,
     one axis per weight axis: 1, the axis's size, or a divisor of it for blocks of consecutive elements), plus
     `mins` where given (as the scales: 4-bit blocks store value * scale + min), read in `dtype`; `int8_activations`: the
-    activations multiplying it are rounded to int8 per block first (`mark_int8_activations`); `tile_axes` (its last
-    (contracting, column) axes): values, scales and mins hold the CPU row kernel's tile order (`quant.row_tiles`),
+    activations multiplying it are rounded to int8 per block first (`mark_int8_activations`); `tile_axes` (where its
+    matrix lies): values, scales and mins hold the CPU row kernel's tile order (`quant.row_tiles`),
     which only that kernel reads; everything else reads the weight `in_rows`."""
 
     values: jax.Array
@@ -44,7 +44,7 @@ class QuantizedArray:
     packed: bool = dataclasses.field(default=False, metadata=dict(static=True))
     bits_of: jnp.dtype | None = dataclasses.field(default=None, metadata=dict(static=True))  # `hold_float8_as_bits`
     int8_activations: bool = dataclasses.field(default=False, metadata=dict(static=True))  # `mark_int8_activations`
-    tile_axes: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))  # `in_rows`
+    tile_axes: TileAxes | None = dataclasses.field(default=None, metadata=dict(static=True))  # `in_rows`
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -121,35 +121,62 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
     return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def value_tiles(values: jax.Array, axes: tuple[int, int], inverse: bool = False) -> jax.Array:
-    """A weight's bytes [..., K axes, N axes] (`axes`: how many of its last axes contract and how many are columns;
-    4-bit values packed, so N bytes) in the CPU row kernel's tile order (native/row_tiles.h), the same shape: tiles of
-    TILE_BYTES bytes of every row ([K, N] flattened), tile after tile, each four rows after four, byte i of row j of
-    four at 4 i + j. `inverse`: back to row order."""
-    contracting, columns = axes
-    lead = values.shape[: values.ndim - contracting - columns]
-    k = math.prod(values.shape[len(lead) : values.ndim - columns])
-    row = math.prod(values.shape[values.ndim - columns :])
+@dataclasses.dataclass(frozen=True)
+class TileAxes:
+    """Where a weight in the CPU row kernel's tile order keeps its matrix: its last `contracting` + `columns` axes,
+    the contracting ones first ([.., K axes, N axes]), or with `columns_first` after the columns ([.., N axes, K
+    axes]: an embedding read as a tied lm_head). The tiles are those of the [K, N] matrix either way."""
+
+    contracting: int
+    columns: int
+    columns_first: bool = False
+
+    def matrix(self, shape: Sequence[int]) -> tuple[tuple[int, ...], int, int]:
+        """(leading axes, K, N) of an array of `shape` laid out so (values: N counts bytes; scales: KB for K)."""
+        lead = tuple(shape[: len(shape) - self.contracting - self.columns])
+        inner = tuple(shape[len(lead) :])
+        if self.columns_first:
+            return lead, math.prod(inner[self.columns :]), math.prod(inner[: self.columns])
+        return lead, math.prod(inner[: self.contracting]), math.prod(inner[self.contracting :])
+
+
+def _as_matrix(a: jax.Array, axes: TileAxes) -> jax.Array:
+    """a -> [.., K, N] (a transposed view for `columns_first`)."""
+    lead, k, n = axes.matrix(a.shape)
+    return jnp.swapaxes(a.reshape(*lead, n, k), -1, -2) if axes.columns_first else a.reshape(*lead, k, n)
+
+
+def _from_matrix(m: jax.Array, axes: TileAxes, shape: Sequence[int]) -> jax.Array:
+    """`_as_matrix` undone: [.., K, N] -> `shape`."""
+    return (jnp.swapaxes(m, -1, -2) if axes.columns_first else m).reshape(shape)
+
+
+def value_tiles(values: jax.Array, axes: TileAxes, inverse: bool = False) -> jax.Array:
+    """A weight's bytes (4-bit values packed along N) in the CPU row kernel's tile order (native/row_tiles.h), the same
+    shape: of its [K, N] matrix (`axes`), tiles of TILE_BYTES bytes of every row, tile after tile, each four rows
+    after four, byte i of row j of four at 4 i + j. `inverse`: back to its own order."""
+    lead, k, row = axes.matrix(values.shape)
     tiles, n = row // TILE_BYTES, len(lead)
     if inverse:  # [.., tiles, K / 4, TILE_BYTES, 4] -> [.., K / 4, 4, tiles, TILE_BYTES]
-        split, order = (tiles, k // 4, TILE_BYTES, 4), (1, 3, 0, 2)
-    else:
-        split, order = (k // 4, 4, tiles, TILE_BYTES), (2, 0, 3, 1)
-    moved = jnp.transpose(values.reshape(*lead, *split), (*range(n), *(n + a for a in order)))
-    return moved.reshape(values.shape)
+        moved = jnp.transpose(values.reshape(*lead, tiles, k // 4, TILE_BYTES, 4), (*range(n), n + 1, n + 3, n, n + 2))
+        return _from_matrix(moved.reshape(*lead, k, row), axes, values.shape)
+    split = _as_matrix(values, axes).reshape(*lead, k // 4, 4, tiles, TILE_BYTES)
+    return jnp.transpose(split, (*range(n), n + 2, n, n + 3, n + 1)).reshape(values.shape)
 
 
-def scale_tiles(scales: jax.Array, axes: tuple[int, int], per_byte: int, inverse: bool = False) -> jax.Array:
-    """A weight's scales or mins [..., KB axes, N axes] (a scale per column and block) in the tile order of its values
-    (`value_tiles`, `per_byte` columns a byte), the same shape: tile after tile, block after block, a block's
-    TILE_BYTES values of the even columns then the odd ones' (4-bit), or its columns' (8-bit). `inverse`: back."""
-    contracting, columns = axes
-    lead = scales.shape[: scales.ndim - contracting - columns]
-    kb, n = math.prod(scales.shape[len(lead) : scales.ndim - columns]), math.prod(scales.shape[scales.ndim - columns :])
+def scale_tiles(scales: jax.Array, axes: TileAxes, per_byte: int, inverse: bool = False) -> jax.Array:
+    """A weight's scales or mins (a scale per column and block: [KB, N] as `axes` lays them out) in the tile order of
+    its values (`value_tiles`, `per_byte` columns a byte), the same shape: tile after tile, block after block, a
+    block's TILE_BYTES values of the even columns then the odd ones' (4-bit), or its columns' (8-bit). `inverse`:
+    back."""
+    lead, kb, n = axes.matrix(scales.shape)
     tiles, m = n // (TILE_BYTES * per_byte), len(lead)
-    split = (tiles, kb, per_byte, TILE_BYTES) if inverse else (kb, tiles, TILE_BYTES, per_byte)
-    moved = jnp.transpose(scales.reshape(*lead, *split), (*range(m), m + 1, m, m + 3, m + 2))
-    return moved.reshape(scales.shape)
+    swap = (*range(m), m + 1, m, m + 3, m + 2)
+    if inverse:  # [.., tiles, KB, per_byte, TILE_BYTES] -> [.., KB, tiles, TILE_BYTES, per_byte]
+        moved = jnp.transpose(scales.reshape(*lead, tiles, kb, per_byte, TILE_BYTES), swap)
+        return _from_matrix(moved.reshape(*lead, kb, n), axes, scales.shape)
+    split = _as_matrix(scales, axes).reshape(*lead, kb, tiles, TILE_BYTES, per_byte)
+    return jnp.transpose(split, swap).reshape(scales.shape)
 
 
 def dense(weight: jax.Array | QuantizedArray) -> jax.Array:
@@ -220,6 +247,8 @@ def take_rows(weight: jax.Array | QuantizedArray, ids: jax.Array) -> jax.Array:
     axis 0) dequantizes only the rows taken."""
     if not isinstance(weight, QuantizedArray):
         return jnp.take(weight, ids, axis=0)
+    if weight.tile_axes is not None:
+        return take_quantized_rows(weight, ids).dequantize()
     rows = lambda a: a if a is None or a.shape[0] == 1 else jnp.take(a, ids, axis=0)
     taken = dataclasses.replace(weight, values=jnp.take(weight.values, ids, axis=0), scales=rows(weight.scales))
     return dataclasses.replace(taken, mins=rows(weight.mins)).dequantize()
@@ -240,8 +269,27 @@ def take_quantized_rows(weight: jax.Array | QuantizedArray, ids: jax.Array):
     mins)."""
     if not isinstance(weight, QuantizedArray):
         return jnp.take(weight, ids, axis=0)
+    if weight.tile_axes is not None:
+        return _rows_of_tiles(weight, ids)
     take = lambda a: None if a is None else jnp.take(a, ids, axis=0)
     return dataclasses.replace(weight, values=take(weight.values), scales=take(weight.scales), mins=take(weight.mins))
+
+
+def _rows_of_tiles(weight: QuantizedArray, ids: jax.Array) -> QuantizedArray:
+    """Rows `ids` of a weight in tile order, in row order [*ids.shape, D]: gathered from the tiles of an 8-bit [V, D]
+    weight (`columns_first`: row v is column v of the tiles' [D, V] matrix, lane v % TILE_BYTES of tile
+    v // TILE_BYTES); any other taken from the weight in rows."""
+    axes = weight.tile_axes
+    if not axes.columns_first or weight.ndim != 2 or weight.packed or weight.mins is not None:
+        return take_quantized_rows(weight.in_rows(), ids)
+    (v, d), kb = weight.shape, weight.scales.shape[1]
+    flat = ids.reshape(-1)
+    tile, lane = flat // TILE_BYTES, flat % TILE_BYTES
+    values = weight.values.reshape(v // TILE_BYTES, d // 4, TILE_BYTES, 4)[tile, :, lane, :]  # [n, D / 4, 4]
+    scales = weight.scales.reshape(v // TILE_BYTES, kb, TILE_BYTES)[tile, :, lane]  # [n, KB]
+    return dataclasses.replace(
+        weight, values=values.reshape(*ids.shape, d), scales=scales.reshape(*ids.shape, kb), tile_axes=None
+    )
 
 
 def is_quantized(model) -> bool:

@@ -23,15 +23,17 @@ from flax import nnx
 
 from mtp_jax.quant.int8_activations import in_blocks
 from mtp_jax.quant.matmul_axes import MATMUL_KEY, MatmulAxes, param_matmul
-from mtp_jax.quant.quantized_array import TILE_BYTES, QuantizedArray, scale_tiles, value_tiles
+from mtp_jax.quant.quantized_array import TILE_BYTES, QuantizedArray, TileAxes, scale_tiles, value_tiles
 
 MAX_PACKED_BLOCK = 32  # contracting elements of a 4-bit block the kernel sums in 16-bit pairs (AVX2), at most
 
 
 def tile_for_row_kernel(model) -> int:
     """Store every weight of `model` that the row kernel's int8-rows product reads in its tile order
-    (`tile_axes_of`), in place; returns how many."""
+    (`tile_axes_of`), in place; returns how many. A tied embedding (a model without an lm_head of its own) is read
+    as the lm_head by int8 rows too, in the tiles of its [D, V] transpose (`tied_embedding_axes`)."""
     tiled = 0
+    tied = getattr(model, "lm_head", False) is None
     for path, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param) or not isinstance(value := param.get_value(), QuantizedArray):
             continue
@@ -39,14 +41,17 @@ def tile_for_row_kernel(model) -> int:
         if declared is None or declared.batched:  # routed experts and other batches of matrices stay as rows
             continue
         axes = tile_axes_of(value, param_matmul(param, "/".join(map(str, path))))
+        if axes is None and tied and tuple(map(str, path)) == ("embed",):
+            value = dataclasses.replace(value, int8_activations=True)
+            axes = tied_embedding_axes(value, declared)
         if axes is not None:
             param.set_value(in_tiles(value, axes))
             tiled += 1
     return tiled
 
 
-def in_tiles(weight: QuantizedArray, axes: tuple[int, int]) -> QuantizedArray:
-    """`weight` (row order) in tile order over its last `axes` (contracting, column) axes."""
+def in_tiles(weight: QuantizedArray, axes: TileAxes) -> QuantizedArray:
+    """`weight` (row order) in tile order, its matrix where `axes` says."""
     per_byte = 2 if weight.packed else 1
     order = lambda a: None if a is None else scale_tiles(a, axes, per_byte)
     values = value_tiles(weight.values, axes)
@@ -54,12 +59,12 @@ def in_tiles(weight: QuantizedArray, axes: tuple[int, int]) -> QuantizedArray:
                                tile_axes=axes)  # fmt: skip
 
 
-def tile_axes_of(weight: QuantizedArray, axes: MatmulAxes) -> tuple[int, int] | None:
-    """(contracting axes, column axes) over which the row kernel reads `weight` in tile order, or None. It needs a
-    weight whose products round activations to int8 (4-bit values, or int8 ones in blocks without mins), its axes
-    (`axes`, over the whole array) the batched ones (stacked layers), then the contracting ones, then the columns,
-    not a vocabulary nor read in parts; blocks of a multiple of 4 elements along the flattened contracting axes (at
-    most MAX_PACKED_BLOCK for 4-bit values), a scale per column; rows of whole tiles."""
+def tile_axes_of(weight: QuantizedArray, axes: MatmulAxes) -> TileAxes | None:
+    """Where the row kernel reads `weight`'s matrix in tile order, or None. It needs a weight whose products round
+    activations to int8 (4-bit values, or int8 ones in blocks without mins), its axes (`axes`, over the whole array)
+    the batched ones (stacked layers), then the contracting ones, then the columns, not a vocabulary nor read in
+    parts; blocks of a multiple of 4 elements along the flattened contracting axes (at most MAX_PACKED_BLOCK for
+    4-bit values), a scale per column; rows of whole tiles."""
     if axes.vocabulary or axes.split_reads or weight.tile_axes is not None:
         return None
     if not (weight.int8_activations and in_blocks(weight)) or weight.bits_of is not None:
@@ -68,7 +73,19 @@ def tile_axes_of(weight: QuantizedArray, axes: MatmulAxes) -> tuple[int, int] | 
     columns = weight.ndim - lead - contracting
     if axes.batched != tuple(range(lead)) or axes.contracting != tuple(range(lead, lead + contracting)) or columns < 1:
         return None
-    return (contracting, columns) if _blocks_fit(weight, lead, contracting) else None
+    return TileAxes(contracting, columns) if _blocks_fit(weight, lead, contracting) else None
+
+
+def tied_embedding_axes(weight: QuantizedArray, declared: MatmulAxes) -> TileAxes | None:
+    """The tiles of an embedding [V, D] in 8-bit blocks along D (a GGUF's Q8_0), read as a tied lm_head: its [D, V]
+    transpose's, V a whole number of tiles; None for any other weight."""
+    if not declared.vocabulary or declared.contracting != (1,) or weight.ndim != 2 or weight.packed:
+        return None
+    if not in_blocks(weight) or weight.bits_of is not None or weight.tile_axes is not None:
+        return None
+    (v, d), (rows, blocks) = weight.shape, weight.scales.shape
+    fits = rows == v and d % blocks == 0 and (d // blocks) % 4 == 0 and v % TILE_BYTES == 0
+    return TileAxes(1, 1, columns_first=True) if fits else None
 
 
 def _blocks_fit(weight: QuantizedArray, lead: int, contracting: int) -> bool:

@@ -25,7 +25,15 @@ from mtp_jax.ops.stacked_weights import StackedWeight
 from mtp_jax.quant import formats, int4, int8_activations, row_tiles
 from mtp_jax.quant.int8 import quantize_int8_blocks
 from mtp_jax.quant.matmul_axes import MatmulAxes
-from mtp_jax.quant.quantized_array import QuantizedArray, scale_tiles, value_tiles
+from mtp_jax.quant.quantized_array import (
+    QuantizedArray,
+    TileAxes,
+    scale_tiles,
+    take_quantized_rows,
+    take_rows,
+    value_tiles,
+)
+from tests.quant.test_int8_activations import exact_q8_product
 from tests.support.decode_models import MODELS, decode, prompts_for
 
 needs_kernel = pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here")
@@ -56,20 +64,26 @@ def looped_scale_tiles(scales: np.ndarray, per_byte: int) -> np.ndarray:
 def test_the_tile_order_is_the_documented_one_and_comes_back():
     rng = np.random.default_rng(0)
     values = rng.integers(0, 256, (2, 12, 3, 16), dtype=np.uint8)  # 2 stacked, K = 12, N bytes = 3 x 16
-    tiled = np.asarray(value_tiles(jnp.asarray(values), (1, 2)))
+    tiled = np.asarray(value_tiles(jnp.asarray(values), TileAxes(1, 2)))
     for layer in range(2):
         want = looped_value_tiles(values[layer].reshape(12, 48)).reshape(12, 3, 16)
         np.testing.assert_array_equal(tiled[layer], want)
-    np.testing.assert_array_equal(np.asarray(value_tiles(jnp.asarray(tiled), (1, 2), inverse=True)), values)
+    np.testing.assert_array_equal(np.asarray(value_tiles(jnp.asarray(tiled), TileAxes(1, 2), inverse=True)), values)
     two_axes = rng.integers(0, 256, (4, 8, 32), dtype=np.uint8)  # K = 4 x 8 over two contracting axes
     want = looped_value_tiles(two_axes.reshape(32, 32)).reshape(4, 8, 32)
-    np.testing.assert_array_equal(np.asarray(value_tiles(jnp.asarray(two_axes), (2, 1))), want)
+    np.testing.assert_array_equal(np.asarray(value_tiles(jnp.asarray(two_axes), TileAxes(2, 1))), want)
+    embedding = rng.integers(-127, 128, (48, 12), dtype=np.int8)  # [V, D]: the tiles of its [D, V] transpose
+    tiled = value_tiles(jnp.asarray(embedding), TileAxes(1, 1, columns_first=True))
+    want = looped_value_tiles(embedding.T.view(np.uint8)).view(np.int8).reshape(48, 12)
+    np.testing.assert_array_equal(np.asarray(tiled), want)
+    back = value_tiles(tiled, TileAxes(1, 1, columns_first=True), inverse=True)
+    np.testing.assert_array_equal(np.asarray(back), embedding)
     for per_byte in (1, 2):
         scales = rng.normal(size=(2, 3, 64)).astype(np.float16)  # 2 stacked, KB = 3, N = 64
-        tiled = np.asarray(scale_tiles(jnp.asarray(scales), (1, 1), per_byte))
+        tiled = np.asarray(scale_tiles(jnp.asarray(scales), TileAxes(1, 1), per_byte))
         for layer in range(2):
             np.testing.assert_array_equal(tiled[layer], looped_scale_tiles(scales[layer], per_byte))
-        back = scale_tiles(jnp.asarray(tiled), (1, 1), per_byte, inverse=True)
+        back = scale_tiles(jnp.asarray(tiled), TileAxes(1, 1), per_byte, inverse=True)
         np.testing.assert_array_equal(np.asarray(back), scales)
 
 
@@ -118,6 +132,30 @@ def test_a_layer_in_tiles_is_read_in_place_from_its_stack():
     for i, layer in enumerate(layers):
         from_tiles = cpu_rows.einsum("MK,KN->MN", x, StackedWeight(tiled, jnp.int32(i)))
         np.testing.assert_array_equal(np.asarray(from_tiles), np.asarray(cpu_rows.einsum("MK,KN->MN", x, layer)))
+
+
+@needs_kernel
+def test_a_tied_embedding_in_tiles_is_the_lm_head_by_int8_rows_and_gives_its_rows():
+    """The tied embedding [V, D] (Q8_0 blocks) in the tiles of its [D, V] transpose: the lm_head's product by int8
+    rows against the exact reference (each block's integer sums), a row's bits the same in any pass; its rows (the
+    input lookup, the draft vocabulary's table) the rows of the weight in row order."""
+    w = jax.random.normal(jax.random.key(10), (320, 192), jnp.float32) * 0.05  # V = 320, D = 192
+    embedding = rounded(quantize_int8_blocks(w, (1,)))
+    declared = MatmulAxes(contracting=(1,), vocabulary=True)
+    tiled = row_tiles.in_tiles(embedding, row_tiles.tied_embedding_axes(embedding, declared))
+    x = np.asarray(jax.random.normal(jax.random.key(11), (11, 192)), np.float32)
+    assert cpu_rows.takes("...D,VD->...V", jnp.asarray(x), tiled, invariant=True)
+    product = jax.jit(lambda x, w: cpu_rows.einsum("...D,VD->...V", x, w))
+    full = np.asarray(product(jnp.asarray(x), tiled))
+    reference = exact_q8_product(x, embedding, transposed=True)
+    np.testing.assert_allclose(full, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    for rows in (slice(0, 1), slice(3, 5), slice(4, 11)):
+        np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x[rows]), tiled)), full[rows])
+    ids = jnp.asarray([[0, 17, 319], [5, 16, 15]])
+    np.testing.assert_array_equal(np.asarray(take_rows(tiled, ids)), np.asarray(take_rows(embedding, ids)))
+    taken, want = take_quantized_rows(tiled, ids[0]), take_quantized_rows(embedding, ids[0])
+    for a, b in zip(jax.tree.leaves(taken), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_product_the_tiles_do_not_fit_reads_the_weight_in_rows():

@@ -192,16 +192,14 @@ def tiled(weight) -> bool:
 
 
 def _tiles_fit(lay: matmul_layout.Layout, weight: QuantizedArray) -> bool:
-    """Whether a product of `lay` reads `weight` (in tile order) as its tiles lie: a [G, K, N] matrix in place whose
-    contracting and column letters are the weight's last `tile_axes`."""
-    contracting, columns = weight.tile_axes
-    rhs = lay.rhs
-    return (
-        not lay.transposed
-        and matmul_layout.reads_in_place(lay)
-        and tuple(rhs[len(rhs) - contracting - columns : len(rhs) - columns]) == lay.contract
-        and tuple(rhs[len(rhs) - columns :]) == lay.cols
-    )
+    """Whether a product of `lay` reads `weight` (in tile order) as its tiles lie: its matrix in place, the
+    contracting and column letters where the weight's `tile_axes` put them."""
+    axes, rhs = weight.tile_axes, lay.rhs
+    split = len(rhs) - (axes.contracting if axes.columns_first else axes.columns)
+    first, second = tuple(rhs[len(rhs) - axes.contracting - axes.columns : split]), tuple(rhs[split:])
+    contract, cols = (second, first) if axes.columns_first else (first, second)
+    placed = lay.transposed == axes.columns_first and matmul_layout.reads_in_place(lay)
+    return placed and contract == lay.contract and cols == lay.cols
 
 
 def _kernel_weight(weight) -> bool:
@@ -260,19 +258,25 @@ def einsum(equation: str, x: jax.Array, weight) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32), vmap_method="sequential")
     packed = isinstance(layer_weight, QuantizedArray) and layer_weight.packed
     int8_activations = isinstance(layer_weight, QuantizedArray) and layer_weight.int8_activations
-    attrs = dict(transposed=np.int64(lay.transposed), packed=np.int64(packed), int8_rows=np.int64(int8_activations),
-                 tiled=np.int64(tiled(layer_weight)))  # fmt: skip
+    in_tiles = tiled(layer_weight)  # read as [G, K, N] tiles, whichever way the stored axes lie
+    attrs = dict(transposed=np.int64(lay.transposed and not in_tiles), packed=np.int64(packed),
+                 int8_rows=np.int64(int8_activations), tiled=np.int64(in_tiles))  # fmt: skip
     product = call(rows, values, scales, mins.astype(scales.dtype), first, **attrs)  # [G, M, N]
     return matmul_layout.output(lay, product)
 
 
 def _weight_operands(lay: matmul_layout.Layout, weight) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A layer's weight as the kernel reads it: values [G, K, N] or [G, N, K] (as stored), scales [G, KB, N] or
-    [G, N, KB], mins as the scales or empty."""
-    g, _, _, n = lay.gmkn
+    [G, N, KB], mins as the scales or empty; a weight in tile order as [G, K, N] and [G, KB, N] views of its order."""
+    g, _, k, n = lay.gmkn
     if not isinstance(weight, QuantizedArray):
         ones = jnp.ones((g, n, 1) if lay.transposed else (g, 1, n), jnp.float32)
         return matmul_layout.weight(lay, weight), ones, jnp.zeros((0,), jnp.float32)
+    if weight.tile_axes is not None:  # bytes in tile order: as [G, K, N] whatever the stored axes' order
+        kb = matmul_layout.contracting_blocks(lay, weight)
+        values = weight.values.reshape(g, k, n // 2 if weight.packed else n)
+        as_blocks = lambda a: jnp.zeros((0,), jnp.float32) if a is None else a.reshape(g, kb, n)
+        return values, as_blocks(weight.scales), as_blocks(weight.mins)
     scales = matmul_layout.scales(lay, weight, columns_first=lay.transposed)
     mins = jnp.zeros((0,), jnp.float32)
     if weight.mins is not None:
