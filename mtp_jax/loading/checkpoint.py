@@ -108,8 +108,8 @@ def with_activations(model, activations: str, rules: ShardingRules | None = None
 
 def in_row_kernel_order(model, rules: ShardingRules | None = None):
     """`model` with the weights that the CPU row kernel's int8-rows product reads stored in its tile order
-    (`quant.row_tiles`: one sequential stream a weight, the same results), in place, where that kernel runs: a CPU,
-    one device, the kernel built."""
+    (`quant.row_tiles`: one sequential stream a weight, the same results; a tied embedding, read as the lm_head, then
+    by int8 rows too), in place, where that kernel runs: a CPU, one device, the kernel built."""
     one_device = rules is None or rules.mesh.devices.size == 1
     if jax.default_backend() == "cpu" and one_device and has_int8_activations(model) and cpu_rows.status() == "ready":
         tile_for_row_kernel(model)

@@ -8,7 +8,10 @@ rows one vector load; the kernel's sums, and so every result's bits, are those o
 
 `tile_for_row_kernel` stores every weight of a model that the kernel's int8-rows product will read in that order, on
 load: a weight in blocks multiplying activations rounded to int8 (`mark_int8_activations`), a [K, N] matrix (its
-contracting axes, then its column axes, after any stacked-layer axes), N a whole number of tiles. Everything else
+contracting axes, then its column axes, after any stacked-layer axes), N a whole number of tiles; and a tied Q8_0
+embedding [V, D] as the tiles of its [D, V] transpose, which then multiplies rounded activations as the lm_head too
+(llama.cpp's numerics for it; by float rows it cost a fifth of a plain step, and more for each further row of a
+verify block), its rows for the input lookup gathered from the tiles. Everything else
 that reads such a weight (XLA's products of a prefill, saving, dequantizing) gets it back in row order
 (`QuantizedArray.in_rows`). Only a CPU plan with the row kernel on one device reads the tiles as stored
 (`kernels/cpu/cpu_rows.py`), so the model is tiled only there.
