@@ -259,6 +259,7 @@ def take_columns(weight: jax.Array | QuantizedArray, ids: jax.Array):
     (and mins) taken with its columns (4-bit values packed along V are unpacked first, one a byte)."""
     if not isinstance(weight, QuantizedArray):
         return jnp.take(weight, ids, axis=1).T
+    weight = weight.in_rows()  # (a weight in the row kernel's tile order: its scales too)
     levels = weight.levels() if not weight.packed else weight.levels().astype(jnp.int8)
     take = lambda a: None if a is None else jnp.take(a, ids, axis=1).T
     return QuantizedArray(take(levels), take(weight.scales), weight.dtype, take(weight.mins))

@@ -29,6 +29,7 @@ from mtp_jax.quant.quantized_array import (
     QuantizedArray,
     TileAxes,
     scale_tiles,
+    take_columns,
     take_quantized_rows,
     take_rows,
     value_tiles,
@@ -167,6 +168,9 @@ def test_a_product_the_tiles_do_not_fit_reads_the_weight_in_rows():
         np.asarray(dispatch.project("MN,KN->MK", x, tiled)), np.asarray(dispatch.project("MN,KN->MK", x, weight))
     )
     np.testing.assert_array_equal(np.asarray(tiled.dequantize()), np.asarray(weight.dequantize()))
+    ids = jnp.asarray([3, 0, 95])  # an lm_head's columns for a draft vocabulary: values and scales in row order
+    for a, b in zip(jax.tree.leaves(take_columns(tiled, ids)), jax.tree.leaves(take_columns(weight, ids)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_weights_the_kernel_cannot_read_in_tiles_stay_in_rows():
