@@ -24,7 +24,7 @@ from mtp_jax.quant import blocked_product, formats, int4, int8_activations, quan
 from mtp_jax.quant.int8 import quantize_int8_blocks
 from mtp_jax.runtime.errors import UserError
 from tests.support.decode_models import MODELS, PROMPT_LENS, decode, prompts_for
-from tests.support.quant_checks import logits_errors
+from tests.support.quant_checks import exact_q8_product, logits_errors
 
 needs_kernel = pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here")
 
@@ -103,22 +103,6 @@ def test_kernel_matches_the_exact_reference_and_is_row_invariant(shape):
     np.testing.assert_allclose(full, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
     for rows in (slice(0, 1), slice(3, 5), slice(4, 11), slice(10, 11)):
         np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x[rows]), weight)), full[rows])
-
-
-def exact_q8_product(x: np.ndarray, weight: quantized_array.QuantizedArray, transposed: bool) -> np.ndarray:
-    """x [M, K] by an int8 weight in blocks of 32 along K ([K, N], or [N, K] `transposed`), x rounded per block as
-    `exact_product` rounds it: each block's products summed exactly as integers, then scaled in float64."""
-    values = np.asarray(weight.values).astype(np.int64)
-    scales = np.asarray(weight.scales).astype(np.float64)
-    values, scales = (values.T, scales.T) if transposed else (values, scales)  # [K, N], [K / 32, N]
-    out = np.zeros((x.shape[0], values.shape[1]))
-    for b in range(scales.shape[0]):
-        block = x[:, 32 * b : 32 * (b + 1)].astype(np.float32)
-        d = np.max(np.abs(block), axis=1, keepdims=True) / np.float32(127)
-        inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-        q = np.round(block * inverse).astype(np.int64)
-        out += (q @ values[32 * b : 32 * (b + 1)]) * scales[b] * d
-    return out
 
 
 @pytest.mark.slow

@@ -34,8 +34,8 @@ from mtp_jax.quant.quantized_array import (
     take_rows,
     value_tiles,
 )
-from tests.quant.test_int8_activations import exact_q8_product
 from tests.support.decode_models import MODELS, decode, prompts_for
+from tests.support.quant_checks import exact_q8_product
 
 needs_kernel = pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.quant.quantized_array import QuantizedArray
 from tests.support.decode_models import PROMPT_LENS
 
 # The weights int8 storage quantizes, by name (written out here, apart from the models' `matmul=` declarations), with
@@ -42,3 +43,19 @@ def logits_errors(reference, model, prompts: np.ndarray) -> np.ndarray:
         logits.append(np.asarray(m.logits(hidden)))
     valid = np.arange(tokens.shape[1])[None, :] < PROMPT_LENS[:, None]
     return np.abs(logits[1] - logits[0])[valid] / logits[0][valid].std()
+
+
+def exact_q8_product(x: np.ndarray, weight: QuantizedArray, transposed: bool) -> np.ndarray:
+    """x [M, K] by an int8 weight in blocks of 32 along K ([K, N], or [N, K] `transposed`), x rounded per block as
+    `exact_product` rounds it: each block's products summed exactly as integers, then scaled in float64."""
+    values = np.asarray(weight.values).astype(np.int64)
+    scales = np.asarray(weight.scales).astype(np.float64)
+    values, scales = (values.T, scales.T) if transposed else (values, scales)  # [K, N], [K / 32, N]
+    out = np.zeros((x.shape[0], values.shape[1]))
+    for b in range(scales.shape[0]):
+        block = x[:, 32 * b : 32 * (b + 1)].astype(np.float32)
+        d = np.max(np.abs(block), axis=1, keepdims=True) / np.float32(127)
+        inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+        q = np.round(block * inverse).astype(np.int64)
+        out += (q @ values[32 * b : 32 * (b + 1)]) * scales[b] * d
+    return out
