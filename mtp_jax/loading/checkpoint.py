@@ -22,7 +22,7 @@ from mtp_jax.params.tree import assemble, nest
 from mtp_jax.quant.formats import ACTIVATION_FORMATS, head_in_trunk_blocks, quantize_model
 from mtp_jax.quant.int8_activations import has_int8_activations, mark_int8_activations
 from mtp_jax.quant.quantized_array import is_quantized
-from mtp_jax.quant.row_tiles import tile_for_row_kernel
+from mtp_jax.quant.row_tiles import draft_table_in_tiles, tile_for_row_kernel
 from mtp_jax.runtime.errors import UserError
 from mtp_jax.runtime.transformers_import import import_transformers
 
@@ -109,10 +109,14 @@ def with_activations(model, activations: str, rules: ShardingRules | None = None
 def in_row_kernel_order(model, rules: ShardingRules | None = None):
     """`model` with the weights that the CPU row kernel's int8-rows product reads stored in its tile order
     (`quant.row_tiles`: one sequential stream a weight, the same results; a tied embedding, read as the lm_head, then
-    by int8 rows too), in place, where that kernel runs: a CPU, one device, the kernel built."""
+    by int8 rows too, and the draft vocabulary's rows of it held in tiles of their own: `draft_table_in_tiles`), in
+    place, where that kernel runs: a CPU, one device, the kernel built."""
     one_device = rules is None or rules.mesh.devices.size == 1
     if jax.default_backend() == "cpu" and one_device and has_int8_activations(model) and cpu_rows.status() == "ready":
         tile_for_row_kernel(model)
+        table = draft_table_in_tiles(model.draft_head()) if model.embed.get_value().tile_axes is not None else None
+        if table is not None:
+            model.hold_draft_table(table)
     return model
 
 

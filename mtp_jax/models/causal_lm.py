@@ -196,6 +196,7 @@ class CausalLM(nnx.Module):
             self.draft_vocab = nnx.Variable(ids, axes=(None,))  # [Vd]: a few thousand token ids, kept whole
         else:
             self.draft_vocab = None
+        self.draft_table = nnx.data(None)  # `hold_draft_table`: the draft vocabulary's output rows, held once gathered
         self.sharding_rules = None  # mtp_jax.parallel.sharding.ShardingRules of a model placed on a mesh
 
     @property
@@ -307,6 +308,8 @@ class CausalLM(nnx.Module):
         mesh split over the vocabulary as the lm_head is, so each draft pass reads a chip's share of them."""
         if self.draft_vocab is None:
             return None
+        if self.draft_table is not None:
+            return self.draft_table.get_value()
         ids = self.draft_vocab[...]
         if self.mtp.head is not None:
             rows = take_columns(self.mtp.head.get_value(), ids)
@@ -315,6 +318,12 @@ class CausalLM(nnx.Module):
         else:
             rows = take_columns(self.lm_head.get_value(), ids)
         return jax.tree.map(lambda a: constrain(a, DRAFT_HEAD), rows)  # a quantized head's values and scales alike
+
+    def hold_draft_table(self, table) -> None:
+        """Hold `table`, the rows [Vd, D] `draft_head()` gives in a layout their product reads (on a CPU: the row
+        kernel's tiles), for `draft_head()` to return instead of gathering them on each call: a model that will not
+        change its head (`loading.checkpoint.in_row_kernel_order`). A Variable, not a Param: not trained nor saved."""
+        self.draft_table = nnx.Variable(table)
 
     def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Float32 MTP logits [..., Vd] over the draft vocabulary (all V ids when it has no subset). `head`: the

@@ -91,6 +91,16 @@ def tied_embedding_axes(weight: QuantizedArray, declared: MatmulAxes) -> TileAxe
     return TileAxes(1, 1, columns_first=True) if fits else None
 
 
+def draft_table_in_tiles(rows) -> QuantizedArray | None:
+    """The draft vocabulary's rows [Vd, D] of a tied embedding gathered from its tiles (`CausalLM.draft_head`), in
+    the tiles of their [D, Vd] transpose as the embedding's lm_head is (a draft pass then reads them by int8 rows as
+    one stream, where as rows it took the transposed kernel); None for rows that do not fit them."""
+    if not isinstance(rows, QuantizedArray) or not rows.int8_activations:
+        return None
+    axes = tied_embedding_axes(rows, MatmulAxes(contracting=(1,), vocabulary=True))
+    return None if axes is None else in_tiles(rows, axes)
+
+
 def _blocks_fit(weight: QuantizedArray, lead: int, contracting: int) -> bool:
     shape, scales = weight.shape, weight.scales.shape
     inner = range(lead, lead + contracting)

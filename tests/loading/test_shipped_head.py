@@ -12,7 +12,9 @@ import pytest
 import mtp_jax
 from mtp_jax.decode import stats
 from mtp_jax.decode.prompts import encode_prompts, pad_batch
+from mtp_jax.kernels.cpu import cpu_rows
 from mtp_jax.loading.heads import DEFAULT_HEAD, HEAD_CONFIG, head_for
+from mtp_jax.quant.quantized_array import take_quantized_rows
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "What is 17 times 23? Show your steps."]
 
@@ -43,3 +45,18 @@ def test_shipped_head_drafts_are_accepted_and_output_equals_plain(smollm2_path):
     counters = stats.add(None, outputs[3].stats)
     mean_accepted = counters["emitted"] / counters["row_rounds"]  # tokens per row and verify round
     assert mean_accepted > 1.5, counters
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_rows.status() != "ready", reason="the CPU row kernel is not built here")
+def test_a_cpu_load_holds_the_draft_vocabulary_as_one_table(smollm2_path):
+    """Where the row kernel reads the tied embedding in tiles, the load holds the draft vocabulary's rows as one table
+    in tiles of their own (not gathered from the embedding on each call), giving the logits of the gathered rows."""
+    from mtp_jax.loading import checkpoint
+
+    model, _ = checkpoint.load(None, dtype="float32")
+    assert model.draft_table is not None and model.draft_head().tile_axes is not None
+    rows = take_quantized_rows(model.embed.get_value(), model.draft_vocab[...])  # [Vd, D], as each call gathered them
+    hidden = jax.random.normal(jax.random.key(1), (4, model.config.hidden_size))
+    held, gathered = model.draft_logits(hidden), model.draft_logits(hidden, rows)
+    np.testing.assert_allclose(np.asarray(held), np.asarray(gathered), rtol=1e-4, atol=1e-4)

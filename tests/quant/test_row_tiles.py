@@ -159,6 +159,30 @@ def test_a_tied_embedding_in_tiles_is_the_lm_head_by_int8_rows_and_gives_its_row
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@needs_kernel
+def test_the_draft_vocabulary_is_held_as_one_table_in_tiles():
+    """The draft vocabulary's rows of a tied embedding in tiles, held in tiles of their own (`draft_table_in_tiles`,
+    as a CPU load holds them): the draft head's product against the exact reference of the rows, each row's bits the
+    same in any pass; rows the tiles do not fit (float activations, a vocabulary not of whole tiles) stay unheld."""
+    w = jax.random.normal(jax.random.key(12), (320, 192), jnp.float32) * 0.05  # V = 320, D = 192
+    embedding = rounded(quantize_int8_blocks(w, (1,)))
+    declared = MatmulAxes(contracting=(1,), vocabulary=True)
+    tiled = row_tiles.in_tiles(embedding, row_tiles.tied_embedding_axes(embedding, declared))
+    ids = jnp.asarray([7, 300, 0, 31] * 8)  # Vd = 32, any order
+    rows = take_quantized_rows(tiled, ids)
+    table = row_tiles.draft_table_in_tiles(rows)
+    assert table is not None and table.tile_axes == TileAxes(1, 1, columns_first=True)
+    x = np.asarray(jax.random.normal(jax.random.key(13), (3, 192)), np.float32)
+    assert cpu_rows.takes("...D,VD->...V", jnp.asarray(x), table, invariant=False)
+    product = jax.jit(lambda x, w: cpu_rows.einsum("...D,VD->...V", x, w))
+    got = np.asarray(product(jnp.asarray(x), table))
+    reference = exact_q8_product(x, take_quantized_rows(embedding, ids), transposed=True)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x[1:2]), table)), got[1:2])
+    assert row_tiles.draft_table_in_tiles(dataclasses.replace(rows, int8_activations=False)) is None
+    assert row_tiles.draft_table_in_tiles(take_quantized_rows(tiled, ids[:24])) is None
+
+
 def test_a_product_the_tiles_do_not_fit_reads_the_weight_in_rows():
     weight = rounded(int4.quantize_int4(jax.random.normal(jax.random.key(6), (64, 96)) * 0.05, (0,)))
     tiled = _tiled(weight, (0,))

@@ -345,6 +345,30 @@ void check_attention(int64_t H, uint32_t seed, bool tree) {
 
 }  // namespace
 
+// attention::exp_lanes against exp in double: within 3 float ulps over [-87, 0], where a value lies in the vector
+// not changing its bits, and at most e^-87 below.
+void check_exp() {
+  std::vector<float> xs;
+  for (float x = 0.0f; x > -87.0f; x -= 0.0137f) xs.push_back(x);
+  for (float x : {-0.0f, -1e-30f, -1e-7f, -0.34657f, -0.34658f, -86.99f, -87.0f}) xs.push_back(x);
+  float worst = 0.0f;
+  bool moved = false;
+  for (size_t i = 0; i < xs.size(); i += kLanes) {
+    Vec x, reversed;
+    for (int l = 0; l < kLanes; ++l) x[l] = xs[std::min(i + l, xs.size() - 1)], reversed[kLanes - 1 - l] = x[l];
+    const Vec got = attention::exp_lanes(x), back = attention::exp_lanes(reversed);
+    for (int l = 0; l < kLanes; ++l) {
+      const double want = std::exp(static_cast<double>(x[l]));
+      worst = std::max(worst, static_cast<float>(std::fabs(got[l] - want) / want));
+      moved |= std::memcmp(&got[l], &back[kLanes - 1 - l], sizeof(float)) != 0;
+    }
+  }
+  expect(worst <= 3.0f * 1.1920929e-7f, "exp_lanes within 3 ulps (worst " + std::to_string(worst) + ")");
+  expect(!moved, "exp_lanes: a value's bits whatever its lane");
+  Vec below = Vec{} - 200.0f;
+  expect(attention::exp_lanes(below)[0] <= 1.7e-38f, "exp_lanes below -87");
+}
+
 int main() {
   std::printf("isa %s\n", kIsa);
   uint32_t seed = 1;
@@ -396,6 +420,7 @@ int main() {
   for (int64_t H : {8, 20, 32, 64, 128})
     for (bool tree : {false, true}) check_attention(H, seed++, tree);
   check_halves();
+  check_exp();
   std::printf("%d checks, %d failed\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

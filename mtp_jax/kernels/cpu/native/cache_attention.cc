@@ -11,8 +11,10 @@
 //   out      [B, T, K, G, H] float32
 //
 // The t-th query of row b sees the cache slots from[b] .. positions[b, 0] - 1, then the block's entries 0 .. t, or
-// those mask[b, t] marks (in block order: the order of the slots they are written to): score_j = q . key_j (kLanes chains over H, added in a fixed tree),
-// m = the largest score, out = sum_j exp(score_j - m) value_j / sum_j exp(score_j - m), both sums in that order.
+// those mask[b, t] marks, in block order (the order of the slots they are written to): entries j = 0 .. n - 1.
+// score_j = q . key_j (kLanes chains over H, added in a fixed tree), m = the largest score, p_j = exp(score_j - m)
+// (attention::exp_lanes), out = (the p_j value_j of even j summed in order + those of odd j) / (the p_j summed in
+// order). Work is split one query a piece.
 // Nothing in a query's result depends on the other queries of the pass, their rows or their number.
 
 #include <algorithm>
@@ -51,7 +53,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int64_t layer_size = d.B * d.S * d.K * d.H;
   const C* keys = static_cast<const C*>(cache_k.untyped_data()) + l * layer_size;
   const C* values = static_cast<const C*>(cache_v.untyped_data()) + l * layer_size;
-  const int64_t pairs = d.B * d.K;
+  const int64_t queries = d.B * d.T * d.K * d.G;  // the pieces of work: one query each
   const float* qp = q.typed_data();
   const C *bk = static_cast<const C*>(block_k.untyped_data()), *bv = static_cast<const C*>(block_v.untyped_data());
   const int32_t *pp = positions.typed_data(), *fp = from.typed_data();
@@ -62,15 +64,16 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   auto work = [=]() {
     std::vector<float> scores;
     std::vector<int64_t> seen;
-    for (int64_t p; (p = next->fetch_add(1)) < pairs;) {
-      attention::attend_pair(qp, keys, values, bk, bv, pp, fp[p / d.K], mp, d, p / d.K, p % d.K, op, scores, seen);
+    for (int64_t p; (p = next->fetch_add(1)) < queries;) {
+      const int64_t g = p % d.G, k = p / d.G % d.K, t = p / (d.G * d.K) % d.T, b = p / (d.G * d.K * d.T);
+      attention::attend_one(qp, keys, values, bk, bv, pp, fp[b], mp, d, b, t, k, g, op, scores, seen);
       done->fetch_add(1);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), pairs - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), queries - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
   work();
-  while (done->load() < pairs) std::this_thread::yield();
+  while (done->load() < queries) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
