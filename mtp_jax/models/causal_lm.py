@@ -321,8 +321,10 @@ class CausalLM(nnx.Module):
 
     def hold_draft_table(self, table) -> None:
         """Hold `table`, the rows [Vd, D] `draft_head()` gives in a layout their product reads (on a CPU: the row
-        kernel's tiles), for `draft_head()` to return instead of gathering them on each call: a model that will not
-        change its head (`loading.checkpoint.in_row_kernel_order`). A Variable, not a Param: not trained nor saved."""
+        kernel's tiles), for `draft_head()` to return instead of gathering them on each call: a model whose output
+        rows will not change (`loading.checkpoint.in_row_kernel_order`); a caller that updates the embedding or head
+        in place sets `draft_table` back to None (stale rows would cost acceptance, never output: drafts are
+        verified). A Variable, not a Param: neither trained nor saved."""
         self.draft_table = nnx.Variable(table)
 
     def draft_logits(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
