@@ -144,6 +144,12 @@ class RoundTimer:
         jax.block_until_ready(run())
         return run, iterations * (mtp_block_width(cfg) if part == "cycle" else 1)
 
+    def round_program(self, num_draft: int) -> tuple:
+        """A fixed-k loop's round as `split` times it: the compiled, warmed-up call, the rounds it runs, and the
+        compiled program's text (`bench.call_profile` names its calls from it)."""
+        run, rounds = self._part("round", num_draft, num_draft)
+        return run, rounds, repeat_part.lower(*run.args).compile().as_text()  # the arguments `run` calls it with
+
     def milliseconds(self, parts: list[tuple]) -> list[float]:
         """Time per round of each (part, max_draft, num_draft[, adaptive]), in ms. The parts are timed in turn,
         `repeats` times over, and each keeps its fastest: interference from the rest of the machine only ever adds
