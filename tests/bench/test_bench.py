@@ -52,7 +52,10 @@ def test_bench_random_shape(tmp_path, capsys):
     fixed = [r for r in rows if r["impl"] == "mtp_jax"]
     assert all(r["round_ms"] > 0 and r["verify_ms"] > 0 and (r["draft_ms"] > 0) == (r["k"] > 0) for r in fixed)
     assert all(r["verify_over_plain"] > 0 for r in fixed)
-    assert all(r["round_over_plain"] == pytest.approx(r["ms_per_round"] / rows[0]["ms_per_round"]) for r in fixed)
+    for r in fixed:  # a loop's time per round is None where the prefill's timing noise swallows it (tiny models)
+        measured = r["ms_per_round"] is not None and rows[0]["ms_per_round"] is not None
+        expected = pytest.approx(r["ms_per_round"] / rows[0]["ms_per_round"]) if measured else None
+        assert r["round_over_plain"] == expected
     plain = [r for r in fixed if r["k"] == 0]
     assert all(r["bytes_per_step"] > 0 and 0 < r["roofline_fraction"] for r in plain)
     assert result["meta"]["copy_bandwidth_gb_s"] > 0
