@@ -24,7 +24,7 @@ from flax import nnx
 from mtp_jax.cli import decode
 from mtp_jax.conversion.export import save_hf_folder
 from mtp_jax.parallel import sharding
-from tests.support.commands import ROOT
+from tests.support.commands import ROOT, cpu_env
 from tests.support.sharded_worker import (
     DRAFTS,
     HYBRID_MESH,
@@ -33,7 +33,6 @@ from tests.support.sharded_worker import (
     MESHES,
     MOE_MESH,
     NEW_TOKENS,
-    cpu_env,
     run_section,
     sharded_config,
 )

@@ -9,7 +9,6 @@ tests/support/subset_mesh_worker.py, and `python -m mtp_jax.decode` itself.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.cli.decode import main as decode_main
 from mtp_jax.conversion.export import save_hf_folder
-from tests.support.commands import ROOT
+from tests.support.commands import ROOT, cpu_env
 from tests.support.tiny_models import tiny_config
 
 pytestmark = [pytest.mark.multidevice, pytest.mark.slow]  # 8 CPU devices, in child processes
@@ -27,14 +26,9 @@ pytestmark = [pytest.mark.multidevice, pytest.mark.slow]  # 8 CPU devices, in ch
 ROWS = [[5, 6, 7, 8, 9], [11], [12, 13, 14], [20, 21, 22, 23, 24, 25, 26]]
 
 
-def eight_cpu_devices() -> dict:
-    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), "JAX_PLATFORMS": "cpu"}
-
-
 def child(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=eight_cpu_devices(), capture_output=True, text=True, timeout=900
+        [sys.executable, *args], cwd=ROOT, env=cpu_env(8), capture_output=True, text=True, timeout=900
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 import mtp_jax
 from tests.support import hybrid_models
+from tests.support.commands import cpu_env
 from tests.support.fp8_checkpoints import PROMPT_LENS, logits_of, quantized_params, write_checkpoint, write_fp8_pair
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def test_fp8_checkpoint_on_a_mesh_decodes_as_one_device(tmp_path):
     tokens equal one device's."""
     write_checkpoint("deepseek_v3", tmp_path / "float32")
     write_fp8_pair(tmp_path / "float32", tmp_path / "fp8", tmp_path / "dequantized")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", SHARDED_LOAD, str(tmp_path / "fp8")], env=env, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ from mtp_jax.decode import adaptive
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import planning, shapes, topology
 from mtp_jax.quant import formats, quantized_array
+from tests.support.commands import cpu_env
 from tests.support.decode_models import MODELS, decode, prompts_for
 from tests.support.quant_checks import contracted_axes, logits_errors
 
@@ -135,7 +135,7 @@ def test_int8_on_a_mesh_decodes_as_one_device():
     """DeepSeek-V3-shaped tiny model on 8 host devices (data=2,expert=2,model=2): the int8 values and scales lie as
     their weight does (experts over expert, their width over model; the scales' contracted axes whole) and greedy MTP
     tokens equal one device's."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     proc = subprocess.run([sys.executable, "-c", SHARDED_INT8], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -14,6 +14,14 @@ import jax
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def cpu_env(devices: int) -> dict:
+    """A child process's environment: `devices` CPU devices, the suite's compile flags kept (XLA_FLAGS extended, not
+    replaced) and LLVM's optimizations off (compiles take half the time; the partitioned programs, their collectives
+    and the comparisons made within one child are unchanged)."""
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), "JAX_PLATFORMS": "cpu"}
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mtp_jax.plan", *args], cwd=ROOT, capture_output=True, text=True, timeout=900

@@ -41,7 +41,7 @@ from mtp_jax.models.moe import MoE
 from mtp_jax.models.softmax_moe import SoftmaxMoE
 from mtp_jax.parallel import sharding
 from mtp_jax.plan import shapes
-from tests.support.commands import ROOT
+from tests.support.commands import ROOT, cpu_env
 from tests.support.hybrid_models import hybrid_config, predictable_hybrid_model
 from tests.support.tiny_models import predictable_model, predictable_moe_model, tiny_config
 
@@ -454,13 +454,6 @@ SECTIONS = {
     "slots": lambda workdir: {"slots": slot_sharded_report(), "slot_attention": slot_attention_report()},
     "engine": lambda workdir: engine_report(),
 }
-
-
-def cpu_env(devices: int) -> dict:
-    """A child's environment: `devices` CPU devices; LLVM's optimizations off (compiles take half the time; the
-    partitioned programs, their collectives and the comparisons made within one child are unchanged)."""
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    return {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), "JAX_PLATFORMS": "cpu"}
 
 
 def run_section(section: str, workdir: pathlib.Path) -> dict:
