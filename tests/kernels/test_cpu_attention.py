@@ -103,6 +103,18 @@ def test_fused_attention_is_the_same_bits_alone_and_in_any_pass(form):
     np.testing.assert_array_equal(last, block[:, 3:])
 
 
+def test_a_pass_of_many_queries_gives_each_the_bits_of_a_small_pass():
+    """Threads claim runs of queries where a pass has many (here 40 x 3 rows of 4 positions: 2,880 queries, runs of
+    up to 64): every query is attended once and as in a pass of one claim each (the 3 rows' pass)."""
+    q, k, v, positions, stack_k = inputs(4, seed=2)
+    stack_v = stack_k * 0.7
+    small = attend(True, q, k, v, positions, stack_k, stack_v, None)
+    copies = 40
+    tiled = lambda x, axis: jnp.concatenate([x] * copies, axis=axis)
+    many = attend(True, *(tiled(x, 0) for x in (q, k, v, positions)), tiled(stack_k, 1), tiled(stack_v, 1), None)
+    np.testing.assert_array_equal(many, np.concatenate([small] * copies, axis=0))
+
+
 def test_kernel_matches_its_reference_past_the_cache_and_before_visible_from():
     """A block may lie past the cache's last slot (an MTP cache of fewer slots than positions) or start before
     `visible_from`: its own entries are attended to causally (or by a draft tree's mask) all the same, and only

@@ -34,6 +34,9 @@ namespace {
 
 using attention::Shapes;
 
+constexpr int64_t kClaimsPerThread = 16;  // runs of queries each thread takes, on average, where there are many
+constexpr int64_t kMaxClaim = 64;
+
 template <typename C>
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache_k, ffi::AnyBuffer cache_v,
                   ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer block_k, ffi::AnyBuffer block_v,
@@ -59,15 +62,23 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int32_t *pp = positions.typed_data(), *fp = from.typed_data();
   const uint8_t* mp = mask.element_count() ? mask.typed_data() : nullptr;
   float* op = out->typed_data();
+  // Threads claim runs of `claim` queries: one query a claim where there are few (a batch-1 step's 9 queries
+  // balance over the threads), up to kMaxClaim where there are many, so that the shared counters are not touched
+  // once per query.
+  const int64_t threads = pool.num_threads() + 1;
+  const int64_t claim = std::clamp<int64_t>(queries / (kClaimsPerThread * threads), 1, kMaxClaim);
   auto next = std::make_shared<std::atomic<int64_t>>(0);
   auto done = std::make_shared<std::atomic<int64_t>>(0);
   auto work = [=]() {
     std::vector<float> scores;
     std::vector<int64_t> seen;
-    for (int64_t p; (p = next->fetch_add(1)) < queries;) {
-      const int64_t g = p % d.G, k = p / d.G % d.K, t = p / (d.G * d.K) % d.T, b = p / (d.G * d.K * d.T);
-      attention::attend_one(qp, keys, values, bk, bv, pp, fp[b], mp, d, b, t, k, g, op, scores, seen);
-      done->fetch_add(1);
+    for (int64_t first; (first = next->fetch_add(claim)) < queries;) {
+      const int64_t last = std::min(first + claim, queries);
+      for (int64_t p = first; p < last; ++p) {
+        const int64_t g = p % d.G, k = p / d.G % d.K, t = p / (d.G * d.K) % d.T, b = p / (d.G * d.K * d.T);
+        attention::attend_one(qp, keys, values, bk, bv, pp, fp[b], mp, d, b, t, k, g, op, scores, seen);
+      }
+      done->fetch_add(last - first);
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), queries - 1);
