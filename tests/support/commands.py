@@ -1,5 +1,6 @@
 """The repository's root (where the tests start commands and child processes: `python -m tests.support...` runs
-from there), and the plan command: run as a user runs it (a child process), or in the test's own process."""
+from there), the environment of a child with several host devices, and the plan command: run as a user runs it (a
+child process), or in the test's own process."""
 
 from __future__ import annotations
 
