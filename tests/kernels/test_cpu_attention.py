@@ -105,7 +105,8 @@ def test_fused_attention_is_the_same_bits_alone_and_in_any_pass(form):
 
 def test_a_pass_of_many_queries_gives_each_the_bits_of_a_small_pass():
     """Threads claim runs of queries where a pass has many (here 40 x 3 rows of 4 positions: 2,880 queries, runs of
-    up to 64): every query is attended once and as in a pass of one claim each (the 3 rows' pass)."""
+    up to 64): every query is attended once, with the bits it gets in the 3 rows' pass of 72 queries (claimed one at a
+    time on a host of a few cores)."""
     q, k, v, positions, stack_k = inputs(4, seed=2)
     stack_v = stack_k * 0.7
     small = attend(True, q, k, v, positions, stack_k, stack_v, None)
