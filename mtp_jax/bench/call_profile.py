@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 from mtp_jax.decode.round_timing import RoundTimer
+from mtp_jax.plan import hlo_text
 
-_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ ([\w\-]+)\(")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 MTP_SCOPE = "/mtp/"  # in the op_name of every instruction the MTP layer's module traced
@@ -40,14 +40,12 @@ class CallTime:
     calls: float
 
 
-def instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+def instructions(text: str) -> dict[str, tuple[str, str]]:
     """A compiled program's text -> {instruction name: (opcode or custom call target, op_name)}."""
     found = {}
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if match:
-            target, op_name = _TARGET.search(line), _OP_NAME.search(line)
-            found[match.group(1)] = (target.group(1) if target else match.group(2), op_name.group(1) if op_name else "")
+    for name, (_, opcode, rest) in hlo_text.instructions(text.splitlines()).items():
+        target, op_name = _TARGET.search(rest), _OP_NAME.search(rest)
+        found[name] = (target.group(1) if target else opcode, op_name.group(1) if op_name else "")
     return found
 
 
@@ -57,8 +55,8 @@ def round_calls(model, prompt_ids: np.ndarray, num_draft: int, rounds: int = 32,
     padding), per round, slowest first."""
     ids = np.asarray(prompt_ids, np.int32)
     timer = RoundTimer(model, ids, np.full((ids.shape[0],), ids.shape[1]), max_new_tokens, iterations=rounds)
-    run, count, hlo_text = timer.round_program(num_draft)
-    named = instructions(hlo_text)
+    run, count, program_text = timer.round_program(num_draft)
+    named = instructions(program_text)
     with tempfile.TemporaryDirectory(prefix="mtp-jax-trace-") as folder:
         jax.profiler.start_trace(folder)
         jax.block_until_ready(run())
