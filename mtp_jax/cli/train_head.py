@@ -117,7 +117,8 @@ def training_model(trunk, args, records):
         raise UserError(f"--fused-layers: {e}") from None
     model = CausalLM(cfg, dtype=trunk.dtype, rngs=nnx.Rngs(args.seed))
     keep = nnx.state(trunk, nnx.PathContains("mtp")) if args.init == "existing" else None
-    head_paths = nnx.Any(nnx.PathContains("mtp"), nnx.PathContains("draft_vocab"))  # sized by this head's config
+    # sized by this head's config; a held draft table (`CausalLM.hold_draft_table`) is the old vocabulary's rows
+    head_paths = nnx.Any(nnx.PathContains("mtp"), nnx.PathContains("draft_vocab"), nnx.PathContains("draft_table"))
     nnx.update(model, nnx.state(trunk, nnx.Not(head_paths)))
     if keep is not None and block_layers == base.block_layers and fused == base.fused_layers:
         nnx.update(model, keep)

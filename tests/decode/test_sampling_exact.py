@@ -7,14 +7,17 @@ greedy block), and each block's empirical joint distribution of the 5 tokens is 
 chi-square test (cells with an expected count below 5 pooled) and by total variation.
 
 The test can fail. With the rule mutated (a patched copy run on the same seeds and rows; the correct rule gives
-p-values 0.16 to 0.90 and marginal TV <= 0.013 over the five blocks at k = 3):
-  - residual p instead of normalize(max(0, p - q)) at the first rejection:  p-value 0 in every block, TV 0.11-0.17
-  - the bonus after k accepts drawn from normalize(max(0, p - q_k)), not p:  k = 1: p-value 0, TV 0.06-0.10;
-                                                                             k = 3: p-value 2e-18 .. 0.57 per block
-  - drafts by argmax of q (q still used in the acceptance ratio):           p-value 0 in every block, TV 0.17-0.26
+p-values 0.011 to 0.85 and marginal TV <= 0.017 over the five blocks at k = 3):
+  - residual p instead of normalize(max(0, p - q)) at the first rejection:  p-value 1e-102 (k = 1), 1e-153 (k = 3)
+                                                                             in the first block, TV 0.10
+  - the bonus after k accepts drawn from normalize(max(0, p - q_k)), not p:  k = 1: p-value 2e-303, TV 0.11;
+                                                                             k = 3: p-value 9e-5 .. 0.75 per block,
+                                                                             TV up to 0.035
+  - drafts by argmax of q (q still used in the acceptance ratio):           p-value 0, TV 0.23-0.24
 Draft trees (decode/tree.py: a draw from the target at every node, the walk following the child equal to it): with
-one key for every node of a round instead of one each, p-value 0 and TV 0.15 (tree 8 of width 3) and 0.16 (tree 5
-of width 2 over a draft vocabulary of 4) in the first block.
+one key for every node of a round instead of one each, p-value 0 and TV 0.13 (tree 8 of width 3, and tree 5 of width
+2 over a draft vocabulary of 4) in the first block. The first two rules are also checked alone, on synthetic
+distributions, by tests/decode/test_acceptance_rules.py, which fails under either mutation in seconds.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ pytestmark = pytest.mark.slow
 VOCAB = 6
 NEW_TOKENS = 5  # the first from prefill, then rounds of k drafts: every verify position and the bonus are covered
 PROMPT = np.array([1, 4, 2], np.int32)
-ROWS_PER_BLOCK = 12_000
+ROWS_PER_BLOCK = 6_000
 # (temperature, top_k, top_p) per block; a greedy block rides along in the same batch.
 SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 3, 1.0), (1.0, 0, 0.8), (1.2, 4, 0.9)]
 HYBRID_SETTINGS = [SETTINGS[0], SETTINGS[-1]]  # the slower hybrid trunk: plain temperature, and all three transforms
@@ -173,4 +176,4 @@ def test_speculative_sampling_matches_exact_distribution(num_draft, draft_vocab_
             continue
         probs = exact_distribution(logits, settings)
         p_value, distance = chi_square_p_value(block, probs), marginal_total_variation(block, probs)
-        assert p_value > 1e-3 and distance < 0.025, (settings, p_value, distance)
+        assert p_value > 1e-3 and distance < 0.03, (settings, p_value, distance)

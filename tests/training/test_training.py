@@ -279,6 +279,25 @@ def test_finetuning_a_head_keeps_its_draft_vocabulary_of_the_same_size(draft_voc
     assert not np.array_equal(frequent_tokens(records, cfg.vocab_size, 8), np.arange(8, 16))  # the case is telling
 
 
+@pytest.mark.parametrize("init", ["existing", "trunk-last"])
+def test_a_trunk_holding_its_draft_table_trains_a_head_that_drafts_from_the_trunks_rows(init):
+    """The default model loaded on a CPU holds its draft vocabulary's rows as a table of their own
+    (`CausalLM.hold_draft_table`). That table is not copied into the model to train (it belongs to the old head's
+    vocabulary and is not a parameter): the new head's drafts read the trunk's rows of its own vocabulary."""
+    from mtp_jax.cli.train_head import training_model
+
+    cfg = tiny_config()
+    trunk = mtp_jax.CausalLM(cfg.replace(mtp=dataclasses.replace(cfg.mtp, draft_vocab_size=8)), rngs=nnx.Rngs(0))
+    trunk.hold_draft_table(trunk.draft_head())
+    records = self_distilled_data(predictable_model("deepseek", seed=3), count=4, new_tokens=10)
+    args = argparse.Namespace(init=init, draft_vocab=12, seed=0, block_layers=None, fused_layers=None)
+    model = training_model(trunk, args, records)
+    assert model.draft_table is None
+    hidden = jax.random.normal(jax.random.key(1), (3, cfg.hidden_size))
+    whole = np.asarray(model.logits(hidden))[:, np.asarray(model.draft_vocab[...])]
+    np.testing.assert_allclose(np.asarray(model.draft_logits(hidden)), whole, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_a_grown_head_drafts_as_the_head_it_grew_from_then_trains_its_added_layer(tmp_path):
     """--init existing --block-layers 2 on a one-layer head: the added layer starts as an identity (the same logits
