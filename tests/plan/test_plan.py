@@ -284,24 +284,32 @@ def test_plan_cli_writes_the_contract_fields(tmp_path):
     assert f"memory per device: params {memory['params'] / 2**30:.2f}," in proc.stderr and said in proc.stderr
 
 
+TREE_PLAN = ["--topology", "v5e:2x2", "--mesh", "data=1,model=4", "--max-new-tokens", "32", "--prompt-len", "16",
+             "--num-draft", "2", "--tree", "6", "--tree-width", "2"]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("shape", ["tiny", "qwen3.5-tiny"])
 def test_plan_of_a_draft_tree_round(tmp_path, shape):
-    """--tree N: the round compiled is a tree's (its verify block N + 1 rows: more flops than a chain of the same
-    depth), its projection from --tokens-per-round when given; a hybrid trunk's too (its DeltaNet layers through the
-    delta-rule kernel, a row per node)."""
-    common = ["--random-shape", shape, "--topology", "v5e:2x2", "--mesh", "data=2,model=2", "--max-new-tokens", "32",
-              "--prompt-len", "16", "--num-draft", "2"]  # fmt: skip
-    plans = {}
-    for name, extra in (("chain", []), ("tree", ["--tree", "6", "--tree-width", "2", "--tokens-per-round", "2.5"])):
-        proc = plan_in_process(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
+    """--tree N: the round compiled is a tree's, its verify block N + 1 rows of the trunk (more flops than N + 1
+    plain steps; a chain of the same depth verifies 3 rows: compiled beside it for the dense trunk), its projection
+    from --tokens-per-round when given; a hybrid trunk's too (its DeltaNet layers through the delta-rule kernel, a
+    row per node)."""
+    plans = {"tree": ["--random-shape", shape, *TREE_PLAN, "--tokens-per-round", "2.5"]}
+    if shape == "tiny":
+        plans["chain"] = plans["tree"][: plans["tree"].index("--tree")]
+    for name, argv in plans.items():
+        proc = plan_in_process(*argv, "--json", str(tmp_path / f"{name}.json"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    tree, chain = plans["tree"], plans["chain"]
-    assert (tree["tree"], tree["tree_width"], tree["num_draft"], chain["tree"]) == (6, 2, 2, 0)
-    assert tree["mtp_round"]["flops"] > chain["mtp_round"]["flops"]
-    assert tree["plain_step"]["flops"] == chain["plain_step"]["flops"]
+    tree = plans["tree"]
+    assert (tree["tree"], tree["tree_width"], tree["num_draft"]) == (6, 2, 2)
+    assert tree["mtp_round"]["flops"] > 7 * tree["plain_step"]["flops"]
+    if shape == "tiny":
+        chain = plans["chain"]
+        assert chain["tree"] == 0 and tree["plain_step"]["flops"] == chain["plain_step"]["flops"]
+        assert 3 * chain["plain_step"]["flops"] < chain["mtp_round"]["flops"] < 7 * chain["plain_step"]["flops"]
     assert tree["tokens_per_round"] == 2.5 and tree["acceptance_source"] == "--tokens-per-round"
     tps = tree["projected_tokens_per_second"]["mtp"]
     assert tps == pytest.approx(1000 * 8 * 2.5 / tree["mtp_round"]["projected_ms"])
@@ -311,12 +319,11 @@ def test_plan_of_a_draft_tree_round(tmp_path, shape):
 @pytest.mark.tpu_compile
 def test_a_draft_vocabulary_shrinks_a_tree_rounds_reads(tmp_path):
     """--draft-vocab N: the MTP passes draft from N token ids (the rows of the lm_head they read), so a tree round
-    reads less than with the whole vocabulary, and the plain step is the same program."""
-    common = ["--random-shape", "tiny", "--topology", "v5e:2x2", "--mesh", "data=1,model=4", "--max-new-tokens", "32",
-              "--prompt-len", "16", "--num-draft", "2", "--tree", "6", "--tree-width", "2"]  # fmt: skip
+    reads less than with the whole vocabulary, and the plain step is the same program. (The whole vocabulary's plan
+    is the tree test's, compiled once in this process.)"""
     plans = {}
     for name, extra in (("whole", []), ("subset", ["--draft-vocab", "64"])):
-        proc = plan_in_process(*common, *extra, "--json", str(tmp_path / f"{name}.json"))
+        proc = plan_in_process("--random-shape", "tiny", *TREE_PLAN, *extra, "--json", str(tmp_path / f"{name}.json"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         plans[name] = json.loads((tmp_path / f"{name}.json").read_text())
     whole, subset = plans["whole"], plans["subset"]
