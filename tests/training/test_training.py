@@ -345,3 +345,33 @@ def test_a_grown_head_drafts_as_the_head_it_grew_from_then_trains_its_added_laye
             argparse.Namespace(init="existing", draft_vocab=0, seed=0, block_layers=3, fused_layers=None),
             records,
         )
+
+
+def test_hiddens_kept_on_disk_are_read_back_for_the_same_trunk_and_data(tmp_path, monkeypatch):
+    """--hiddens-cache: the trunk's hiddens (and a fused head's taps) are written once, read back by a run over the
+    same data and trunk even with another head, and computed afresh for another trunk or other data."""
+    from mtp_jax.training import sequences
+
+    base = predictable_model("deepseek", seed=3)
+    cfg = base.config.replace(mtp=dataclasses.replace(base.config.mtp, fused_layers=(0,)))
+    model = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(base, nnx.Not(nnx.PathContains("mtp"))))
+    records = self_distilled_data(base, count=5, new_tokens=10)
+    computed = SequenceData(model, records, width=16)
+    kept = SequenceData(model, records, width=16, cache_dir=str(tmp_path))
+    assert len(list(tmp_path.iterdir())) == 1  # one folder, nothing partial left
+    for data in (kept, SequenceData(model, records, width=16, cache_dir=str(tmp_path))):
+        np.testing.assert_array_equal(np.asarray(data.hidden), computed.hidden)
+        np.testing.assert_array_equal(np.asarray(data.taps), computed.taps)
+
+    def no_trunk_pass(*args, **kwargs):
+        raise AssertionError("the trunk ran")
+
+    monkeypatch.setattr(sequences, "_trunk_hidden", no_trunk_pass)
+    another_head = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(1))
+    nnx.update(another_head, nnx.state(model, nnx.Not(nnx.PathContains("mtp"))))
+    SequenceData(another_head, records, width=16, cache_dir=str(tmp_path))
+    other_trunk = mtp_jax.CausalLM(cfg, rngs=nnx.Rngs(2))
+    for trunk, data in ((other_trunk, records), (model, records[:4])):
+        with pytest.raises(AssertionError, match="the trunk ran"):
+            SequenceData(trunk, data, width=16, cache_dir=str(tmp_path))
