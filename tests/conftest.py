@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 # Tests run tiny models, where XLA's compile time dwarfs run time: compile with most optimizations off (also in the
 # subprocesses and notebook kernels the tests start, which inherit the environment), except where a test runs the
@@ -26,12 +28,15 @@ os.environ.setdefault("MTP_JAX_KERNEL_CHOICE", "0")
 import jax
 import pytest
 
+from mtp_jax.loading.default_model import GGUF_ENV, default_gguf_path
+from mtp_jax.runtime.cache_folder import CACHE_ENV
 from mtp_jax.runtime.errors import UserError
 
 # XLA:CPU's older fusion emitters compile these programs in about 60% of the time the MLIR fusion emitters take
 # (tiny models' generate programs, plain and with drafts: 5.3-5.8 s against 8.5-8.8 s for four; the suite 825 s
 # against 1341 s).
 FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+SESSION_CACHE: str | None = None  # the cache folder this session made (pytest_sessionstart), removed at its end
 
 
 def pytest_configure(config):
@@ -48,18 +53,29 @@ def pytest_configure(config):
 
 def pytest_sessionstart(session):
     """Fetch the default model and build the CPU row kernel once, before any test worker starts (xdist workers
-    would each do both at once)."""
+    would each do both at once). Then point the tests, their workers and the processes they start at that GGUF and
+    at a cache folder of this session's own: what the tools keep there (the default drafting's round costs, the
+    default model's conversion, compiled executables) is measured or built under a busy test run and unoptimized
+    compiles, and must not land in the user's cache, nor be read from it."""
     if hasattr(session.config, "workerinput"):
         return
     from mtp_jax.kernels.cpu import cpu_rows
-    from mtp_jax.loading.default_model import default_gguf_path
 
     cpu_rows.status()  # a build failure is a status the tests read, not an error here
 
     try:
-        default_gguf_path()
+        os.environ.setdefault(GGUF_ENV, default_gguf_path())
     except UserError:
         pass  # the smollm2_path fixture reports it where a test needs the model
+    if CACHE_ENV not in os.environ:
+        global SESSION_CACHE
+        SESSION_CACHE = tempfile.mkdtemp(prefix="mtp_jax-tests-")
+        os.environ[CACHE_ENV] = SESSION_CACHE
+
+
+def pytest_sessionfinish(session):
+    if SESSION_CACHE is not None and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,8 +95,6 @@ def release_compiled_programs():
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The default model's GGUF; CI must have it (its install step fetches it), elsewhere a missing copy skips."""
-    from mtp_jax.loading.default_model import default_gguf_path
-
     try:
         return default_gguf_path()
     except UserError as e:

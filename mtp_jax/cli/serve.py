@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import signal
 import sys
 import time
@@ -46,6 +47,7 @@ from mtp_jax.serve.worker import Worker, warm_up
 
 DEFAULT_MAX_LEN = 2048  # positions a slot holds by default (at most the model's context)
 API_KEY_ENV = "MTP_JAX_API_KEY"
+QUANTIZATION_SUFFIX = re.compile(r"[.-](I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)  # GGUF files' naming habit
 SAMPLE_PROMPTS = ("Hello!", "Name three colours.", "What is the capital of France?", "Write a haiku about the sea.")
 
 
@@ -195,9 +197,10 @@ def engine_config(args, model, samples) -> DecodeConfig:
 
 
 def default_model_name() -> str:
-    """The default model's name: its GGUF file's, without the quantization and extension."""
-    path = os.environ.get(GGUF_ENV)
-    return os.path.basename(path).removesuffix(".gguf") if path else GGUF_NAME.split(".", 1)[0]
+    """The default model's name: its GGUF file's (`$MTP_JAX_DEFAULT_GGUF` or the packaged one), without the
+    quantization and extension ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct")."""
+    stem = os.path.basename(os.environ.get(GGUF_ENV) or GGUF_NAME).removesuffix(".gguf")
+    return QUANTIZATION_SUFFIX.sub("", stem)
 
 
 def describe_drafting(cfg: DecodeConfig) -> str:

@@ -104,6 +104,7 @@ def load_default(dtype, rules: ShardingRules | None, keep_blocks: bool = True) -
         except (OSError, ConversionError) as e:
             reread = (model, tokenizer) if rules is None else read_gguf(gguf, dtype, rules, keep_blocks)
             return cannot_keep(folder, e, reread)
+    tokenizer = TextTokenizer.from_folder(folder)  # the tokenizer every later load reads
     if rules is None:
         return model, tokenizer
     return restore_converted(folder, dtype, rules), tokenizer  # placed straight into the shardings

@@ -58,12 +58,18 @@ class TextTokenizer:
         """{"input_ids": ids of `text`, with the special tokens the tokenizer adds}."""
         return {"input_ids": self.backend.encode(text).ids}
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True):
-        """The conversation through the chat template: the text, or (`tokenize`) its token ids."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True, return_dict: bool = False
+    ):
+        """The conversation through the chat template: the text, or (`tokenize`) its token ids, as a list or
+        (`return_dict`, as transformers' tokenizers return by default since 5.0) as {"input_ids": ids}."""
         text = compiled_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
-        return self.backend.encode(text, add_special_tokens=False).ids if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return {"input_ids": ids} if return_dict else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -19,6 +19,7 @@ import mtp_jax
 from mtp_jax.loading import default_conversion
 from mtp_jax.loading.default_model import GGUF_ENV
 from mtp_jax.loading.text_tokenizer import TextTokenizer
+from mtp_jax.params.open_source import open_source
 from mtp_jax.params.state_file import STATE_FILE, read_state, write_state
 from mtp_jax.runtime import compile_cache
 from mtp_jax.runtime.cache_folder import CACHE_ENV
@@ -100,20 +101,23 @@ def test_killed_and_broken_conversions_are_not_used(cache, monkeypatch, capsys, 
     with open(os.path.join(folder, STATE_FILE), "r+b") as f:  # the cached folder itself damaged: cut short
         f.truncate(1000)
 
-    converted, tokenizer = default_conversion.load_default(np.float32, None)  # read from the GGUF and written again
+    converted, first_tokenizer = default_conversion.load_default(np.float32, None)  # from the GGUF, written again
     assert "cannot be used" in capsys.readouterr().err
     assert not os.path.exists(killed)
     cached, fast_tokenizer = default_conversion.load_default(np.float32, None)
-    assert "converting" not in capsys.readouterr().err and isinstance(fast_tokenizer, TextTokenizer)
+    assert "converting" not in capsys.readouterr().err
+    assert isinstance(first_tokenizer, TextTokenizer) and isinstance(fast_tokenizer, TextTokenizer)  # every run's
     a, b = params_of(converted), params_of(cached)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
+    tokenizer = open_source(smollm2_path).load_tokenizer()  # transformers' own, from the GGUF
     texts = [PROMPT, "  Ünïcode — spaces\tand\nlines  ", "<|im_start|>user\nhi<|im_end|>", "x" * 50]
     for text in texts:
         chat = [{"role": "user", "content": text}]
         assert fast_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        assert fast_tokenizer.apply_chat_template(chat) == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+        assert fast_tokenizer.apply_chat_template(chat) == ids
+        assert fast_tokenizer.apply_chat_template(chat, return_dict=True) == {"input_ids": ids}
     ids = [1, *fast_tokenizer(texts[1])["input_ids"], 2, 0, 40, 28120]
     for skip in (True, False):
         assert fast_tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)

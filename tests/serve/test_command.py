@@ -6,7 +6,8 @@ import socket
 
 import pytest
 
-from mtp_jax.cli.serve import main
+from mtp_jax.cli.serve import default_model_name, main
+from mtp_jax.loading.default_model import GGUF_ENV
 
 
 @pytest.mark.parametrize(
@@ -38,3 +39,21 @@ def test_a_port_in_use_is_refused_before_the_model_loads(capsys):
         assert main(["--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("gguf", "name"),
+    [
+        (None, "SmolLM2-135M-Instruct"),
+        ("/models/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+        ("/models/Qwen3-0.6B-Q8_0.gguf", "Qwen3-0.6B"),
+        ("/models/Llama-3.2-1B-Instruct-IQ4_XS.gguf", "Llama-3.2-1B-Instruct"),
+        ("/models/model-v1.5.gguf", "model-v1.5"),
+    ],
+)
+def test_the_default_model_is_served_under_its_name_without_the_quantization(monkeypatch, gguf, name):
+    if gguf is None:
+        monkeypatch.delenv(GGUF_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GGUF_ENV, gguf)
+    assert default_model_name() == name
