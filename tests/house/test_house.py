@@ -46,6 +46,7 @@ PACKAGE_ORDER = (
     "loading",  # load_model, heads, the hub, the default model, tokenizers
     "decode",  # the loop: generate, rounds, sampling, text in and out
     "training",  # MTP head training and its evaluation
+    "rl",  # rollout engines for JAX RL libraries (tunix), an optional extra
     "plan",  # compiling for a topology and reading the program
     "serve",  # the OpenAI-compatible HTTP server over the decode engine
     "bench",  # the peers the benchmark times

@@ -1,0 +1,135 @@
+"""tunix's dense trunks (its Llama3, Qwen2 and Qwen3 nnx models) as this project's `CausalLM`: the config, and the
+parameters mapped on device (one stack per weight kind; no host copy of the model).
+
+Both sides hold projections in the same einsum layouts (q [D, N, H], k/v [D, K, H], o [N, H, D], MLP kernels
+[in, out], the embedding [V, D], an untied lm_head [D, V]); this project stacks a segment's layers on a leading axis,
+and holds qkv biases as [N, H] where tunix holds [N * H].
+
+Rotary embeddings: tunix 0.1.7's Llama3 and Qwen3 attentions call `apply_rope` without the config's `rope_theta`,
+so their forward uses its default base of 1e6 whatever the config says (Qwen2 passes its own). The mapped model
+takes the base tunix's forward uses, so that it decodes the policy tunix trains; tests/rl/test_tunix_models.py
+holds the two forwards equal on configs whose `rope_theta` is not 1e6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config.model import ModelConfig
+from mtp_jax.families.registry import model_config_from_hf
+from mtp_jax.loading.heads import trunk_fingerprint
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.params.tree import abstract_params, assemble, nest
+from mtp_jax.runtime.errors import UserError
+
+TUNIX_DEFAULT_ROPE_THETA = 1_000_000.0  # tunix's `apply_rope(..., rope_theta=1_000_000)` default
+
+
+@dataclasses.dataclass(frozen=True)
+class TunixFamily:
+    model_type: str  # this project's family (a Hugging Face model_type)
+    tied_field: str  # the tunix config's tied-embedding flag
+    forward_ignores_rope_theta: bool
+
+
+FAMILIES = {
+    "Llama3": TunixFamily("llama", "weight_tying", forward_ignores_rope_theta=True),
+    "Qwen2": TunixFamily("qwen2", "use_tied_embedding", forward_ignores_rope_theta=False),
+    "Qwen3": TunixFamily("qwen3", "use_tied_embedding", forward_ignores_rope_theta=True),
+}
+
+
+def tunix_family(model: nnx.Module) -> TunixFamily:
+    name = type(model).__name__
+    if name not in FAMILIES or not type(model).__module__.startswith("tunix.models."):
+        raise UserError(f"a tunix {name} model cannot be mapped: only tunix's {', '.join(FAMILIES)} are")
+    return FAMILIES[name]
+
+
+def trunk_config(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int) -> ModelConfig:
+    """This project's config of tunix `model`'s trunk (no MTP layer), stopping at `eos_token_ids`, holding
+    `context` positions."""
+    family, cfg = tunix_family(model), model.config
+    if getattr(cfg, "num_experts", None):
+        raise UserError("tunix's routed-expert Qwen3 is not mapped: only its dense configs are")
+    rope_theta = TUNIX_DEFAULT_ROPE_THETA if family.forward_ignores_rope_theta else float(cfg.rope_theta)
+    hf = {
+        "model_type": family.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed_dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": float(cfg.norm_eps),
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": bool(getattr(cfg, family.tied_field)),
+        "max_position_embeddings": context,
+        "eos_token_id": list(eos_token_ids),
+        "hidden_act": "silu",
+    }
+    if family.model_type == "qwen2":
+        hf["attention_bias"] = True
+    return model_config_from_hf(hf)
+
+
+def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype) -> dict[tuple[str, ...], jax.Array]:
+    """tunix `model`'s parameters at this project's paths for `cfg` (`trunk_config`), in `dtype`: jax arrays made
+    on the devices that hold tunix's (traceable: no host transfer)."""
+    tunix_family(model)
+    layers = list(model.layers)
+    n, h, k = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
+
+    def stacked(get, shape=None) -> jax.Array:
+        arrays = [get(layer)[...] for layer in layers]
+        out = jnp.stack([a if shape is None else a.reshape(shape) for a in arrays])
+        return out.astype(dtype)
+
+    prefix = ("segments", "0", "layers")
+    flat = {
+        ("embed",): model.embedder.input_embedding[...].astype(dtype),
+        ("final_norm", "scale"): model.final_norm.w[...].astype(dtype),
+        (*prefix, "input_norm", "scale"): stacked(lambda layer: layer.input_layernorm.w),
+        (*prefix, "post_attention_norm", "scale"): stacked(lambda layer: layer.post_attention_layernorm.w),
+        (*prefix, "attn", "q_proj"): stacked(lambda layer: layer.attn.q_proj.w),
+        (*prefix, "attn", "k_proj"): stacked(lambda layer: layer.attn.k_proj.w),
+        (*prefix, "attn", "v_proj"): stacked(lambda layer: layer.attn.v_proj.w),
+        (*prefix, "attn", "o_proj"): stacked(lambda layer: layer.attn.o_proj.w),
+        (*prefix, "mlp", "gate_proj"): stacked(lambda layer: layer.mlp.gate_proj.kernel),
+        (*prefix, "mlp", "up_proj"): stacked(lambda layer: layer.mlp.up_proj.kernel),
+        (*prefix, "mlp", "down_proj"): stacked(lambda layer: layer.mlp.down_proj.kernel),
+    }
+    if not cfg.tie_word_embeddings:
+        flat[("lm_head",)] = model.lm_head.w[...].astype(dtype)
+    if cfg.qkv_bias:
+        flat[(*prefix, "attn", "q_bias")] = stacked(lambda layer: layer.attn.q_bias, (n, h))
+        flat[(*prefix, "attn", "k_bias")] = stacked(lambda layer: layer.attn.k_bias, (k, h))
+        flat[(*prefix, "attn", "v_bias")] = stacked(lambda layer: layer.attn.v_bias, (k, h))
+    if cfg.qk_norm:
+        flat[(*prefix, "attn", "q_norm", "scale")] = stacked(lambda layer: layer.attn.q_norm.w)
+        flat[(*prefix, "attn", "k_norm", "scale")] = stacked(lambda layer: layer.attn.k_norm.w)
+    return flat
+
+
+def causal_lm_from_tunix(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int, dtype=jnp.float32,
+                         head: CausalLM | None = None) -> CausalLM:  # fmt: skip
+    """tunix `model`'s trunk as a `CausalLM` in `dtype`, with the MTP head (and draft vocabulary) of `head`, a
+    `CausalLM` of the same trunk shape, when given."""
+    cfg = trunk_config(model, eos_token_ids, context)
+    flat = trunk_params(model, cfg, dtype)
+    if head is not None:
+        if trunk_fingerprint(head.config) != trunk_fingerprint(cfg):
+            theirs, ours = trunk_fingerprint(head.config), trunk_fingerprint(cfg)
+            raise UserError(f"the MTP head was made for the trunk {theirs}, not tunix's {ours}")
+        cfg = cfg.replace(mtp=head.config.mtp)
+        own = {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(head))}
+        flat.update({path: own[path] for path in abstract_params(cfg, dtype) if path not in flat})
+    missing = sorted(".".join(p) for p in abstract_params(cfg, dtype) if p not in flat)
+    if missing:
+        raise UserError(f"the mapped tunix model lacks {', '.join(missing[:3])}")
+    return assemble(cfg, nest(flat), dtype)
