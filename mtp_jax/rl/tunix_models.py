@@ -119,7 +119,8 @@ def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype) -> dict[tuple[str, 
 def causal_lm_from_tunix(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int, dtype=jnp.float32,
                          head: CausalLM | None = None) -> CausalLM:  # fmt: skip
     """tunix `model`'s trunk as a `CausalLM` in `dtype`, with the MTP head (and draft vocabulary) of `head`, a
-    `CausalLM` of the same trunk shape, when given."""
+    `CausalLM` of the same trunk shape, when given; on one device (the one holding tunix's embedding), whatever
+    mesh tunix's arrays were laid out on."""
     cfg = trunk_config(model, eos_token_ids, context)
     flat = trunk_params(model, cfg, dtype)
     if head is not None:
@@ -132,4 +133,7 @@ def causal_lm_from_tunix(model: nnx.Module, eos_token_ids: tuple[int, ...], cont
     missing = sorted(".".join(p) for p in abstract_params(cfg, dtype) if p not in flat)
     if missing:
         raise UserError(f"the mapped tunix model lacks {', '.join(missing[:3])}")
+    # Off tunix's mesh, onto the device holding its embedding (a bare device would keep the mesh's axis types).
+    device = jax.sharding.SingleDeviceSharding(next(iter(flat[("embed",)].devices())))
+    flat = {path: jax.device_put(value, device) for path, value in flat.items()}
     return assemble(cfg, nest(flat), dtype)

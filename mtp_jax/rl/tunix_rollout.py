@@ -57,7 +57,10 @@ class MtpRollout(base_rollout.BaseRollout):
         self._context = max(rollout_config.kv_cache_size,
                             rollout_config.max_prompt_length + rollout_config.max_tokens_to_generate)  # fmt: skip
         self._dtype = dtype
-        self._actor = rollout_actor
+        # tunix's learner syncs weights only when `model()` holds other arrays than the trainer's (colocated, tunix
+        # hands over the trainer's own model): a copy until the first sync, then the synced parameters.
+        graphdef, state = nnx.split(rollout_actor)
+        self._actor = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
         model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, dtype)
         if isinstance(head, str):
             model = attach_head(model, head)
@@ -202,8 +205,10 @@ class MtpRollout(base_rollout.BaseRollout):
     def eos_id(self) -> int:
         return self._tokenizer.eos_id()
 
-    def model(self) -> CausalLM:
-        return self._model
+    def model(self) -> nnx.Module:
+        """The policy as of the last sync, in tunix's own model (what tunix's learner and offloading read); the
+        engine decodes with `decode_model`."""
+        return self._actor
 
 
 def cut_at_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
