@@ -17,12 +17,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import AxisType, Mesh
 
 from mtp_jax.config.model import ModelConfig
 from mtp_jax.families.registry import model_config_from_hf
 from mtp_jax.loading.heads import trunk_fingerprint
-from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.models.causal_lm import CausalLM, model_param_axes
+from mtp_jax.parallel.sharding import MESH_AXES, ShardingRules
 from mtp_jax.params.tree import abstract_params, assemble, nest
 from mtp_jax.runtime.errors import UserError
 
@@ -117,10 +120,10 @@ def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype) -> dict[tuple[str, 
 
 
 def causal_lm_from_tunix(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int, dtype=jnp.float32,
-                         head: CausalLM | None = None) -> CausalLM:  # fmt: skip
+                         head: CausalLM | None = None, mesh: jax.sharding.Mesh | None = None) -> CausalLM:  # fmt: skip
     """tunix `model`'s trunk as a `CausalLM` in `dtype`, with the MTP head (and draft vocabulary) of `head`, a
-    `CausalLM` of the same trunk shape, when given; on one device (the one holding tunix's embedding), whatever
-    mesh tunix's arrays were laid out on."""
+    `CausalLM` of the same trunk shape, when given; laid out on `mesh` by `rollout_rules`, or without one (or on a
+    one-device mesh) on the device holding tunix's embedding."""
     cfg = trunk_config(model, eos_token_ids, context)
     flat = trunk_params(model, cfg, dtype)
     if head is not None:
@@ -133,7 +136,25 @@ def causal_lm_from_tunix(model: nnx.Module, eos_token_ids: tuple[int, ...], cont
     missing = sorted(".".join(p) for p in abstract_params(cfg, dtype) if p not in flat)
     if missing:
         raise UserError(f"the mapped tunix model lacks {', '.join(missing[:3])}")
-    # Off tunix's mesh, onto the device holding its embedding (a bare device would keep the mesh's axis types).
-    device = jax.sharding.SingleDeviceSharding(next(iter(flat[("embed",)].devices())))
-    flat = {path: jax.device_put(value, device) for path, value in flat.items()}
-    return assemble(cfg, nest(flat), dtype)
+    rules = rollout_rules(mesh)
+    if rules is None:  # onto the device holding tunix's embedding (a bare device would keep a mesh's axis types)
+        device = jax.sharding.SingleDeviceSharding(next(iter(flat[("embed",)].devices())))
+        flat = {path: jax.device_put(value, device) for path, value in flat.items()}
+    else:  # each parameter in its logical axes' sharding over tunix's devices, resharded on them (no host copy)
+        axes = model_param_axes(cfg, dtype)
+        shardings = {path: rules.sharding(axes[path], value.shape) for path, value in flat.items()}
+        flat = jax.jit(lambda tree: tree, out_shardings=shardings)(flat)
+    return assemble(cfg, nest(flat), dtype, rules)
+
+
+def rollout_rules(mesh: jax.sharding.Mesh | None) -> ShardingRules | None:
+    """This project's sharding rules over a tunix mesh's devices (None on one device): its tensor-parallel axis
+    ("tp", or "model") becomes `model` (heads, MLP, vocabulary), its other axes together `data` (the slots' rows),
+    on a mesh of this project's axes (data, expert = 1, model) over the same devices."""
+    if mesh is None or mesh.size == 1:
+        return None
+    tensor = next((a for a in ("tp", "model") if a in mesh.axis_names), None)
+    rows = [a for a in mesh.axis_names if a != tensor]
+    order = [mesh.axis_names.index(a) for a in (*rows, *([tensor] if tensor else []))]
+    devices = np.transpose(mesh.devices, order).reshape(-1, 1, mesh.shape[tensor] if tensor else 1)
+    return ShardingRules(Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES)))

@@ -48,24 +48,22 @@ class MtpRollout(base_rollout.BaseRollout):
                  rollout_config: base_rollout.RolloutConfig, *, head: str | CausalLM | None = None,
                  num_draft: int = 3, slots: int = 8, refresh: RefreshConfig | None = None, refresh_steps: int = 1,
                  dtype=jnp.float32):  # fmt: skip
-        if mesh is not None and mesh.size > 1:
-            raise UserError("MtpRollout runs on one device for now: give tunix a one-device rollout mesh")
         if not isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter):  # as tunix's sampler takes them
             tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
         self._tokenizer = tokenizer
         self._eos = tuple(int(t) for t in (rollout_config.eos_tokens or [tokenizer.eos_id()]))
         self._context = max(rollout_config.kv_cache_size,
                             rollout_config.max_prompt_length + rollout_config.max_tokens_to_generate)  # fmt: skip
-        self._dtype = dtype
+        self._dtype, self._mesh = dtype, mesh
         # tunix's learner syncs weights only when `model()` holds other arrays than the trainer's (colocated, tunix
         # hands over the trainer's own model): a copy until the first sync, then the synced parameters.
         graphdef, state = nnx.split(rollout_actor)
         self._actor = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-        model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, dtype)
+        model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, dtype, mesh=mesh)
         if isinstance(head, str):
             model = attach_head(model, head)
         elif head is not None:
-            model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, dtype, head=head)
+            model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, dtype, head=head, mesh=mesh)
         self._model = model
         self._decode_config = DecodeConfig(num_draft=num_draft if model.config.has_mtp else 0)
         self._slots = slots
@@ -181,8 +179,8 @@ class MtpRollout(base_rollout.BaseRollout):
         actor = nnx.merge(graphdef, state)  # new Variables: the trainer's own model is not touched
         nnx.update(actor, params)
         self._actor = actor
-        model = causal_lm_from_tunix(actor, self._eos, self._context, self._dtype,
-                                     head=self._model if self._model.config.has_mtp else None)  # fmt: skip
+        head = self._model if self._model.config.has_mtp else None
+        model = causal_lm_from_tunix(actor, self._eos, self._context, self._dtype, head=head, mesh=self._mesh)
         self._model, self._engine = model, None  # the slots are rebuilt at the next generate
         self._refresh_pending = self._refresh is not None and self._last_rollouts is not None
         self.seconds["sync"] += time.perf_counter() - start
