@@ -76,7 +76,14 @@ def _refresh(graphdef, head, frozen, opt_state, batch: Batch, cfg: RefreshConfig
 def rollout_batch(model: CausalLM, tokens: jax.Array, lengths: jax.Array, response_starts: jax.Array) -> Batch:
     """A refresh batch from rollouts (prompt + sampled answer, tokens [B, T] right-padded, lengths [B], the first
     answer position of each row [B]): the current trunk's hiddens over them, and the fused layers' outputs where the
-    head reads some, computed here with no gradient."""
+    head reads some, computed here (one compiled pass) with no gradient."""
+    graphdef, state = nnx.split(model)
+    return _rollout_batch(graphdef, state, tokens, lengths, response_starts)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _rollout_batch(graphdef, state, tokens, lengths, response_starts) -> Batch:
+    model = nnx.merge(graphdef, state)
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width), (batch, width))
     taps = model.config.mtp.fused_layers if model.config.has_mtp else ()
