@@ -6,14 +6,17 @@ Both sides hold projections in the same einsum layouts (q [D, N, H], k/v [D, K, 
 and holds qkv biases as [N, H] where tunix holds [N * H].
 
 Rotary embeddings: tunix 0.1.7's Llama3 and Qwen3 attentions call `apply_rope` without the config's `rope_theta`,
-so their forward uses its default base of 1e6 whatever the config says (Qwen2 passes its own). The mapped model
-takes the base tunix's forward uses, so that it decodes the policy tunix trains; tests/rl/test_tunix_models.py
-holds the two forwards equal on configs whose `rope_theta` is not 1e6.
+so their forward uses that function's default base, 1e6, whatever the config says (Qwen2 passes its own). The
+mapped model takes the base tunix's forward uses (`forward_rope_theta`), so that it decodes the policy tunix trains;
+tests/rl/test_tunix_models.py holds the two forwards equal on configs whose `rope_theta` is not 1e6.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +31,6 @@ from mtp_jax.models.causal_lm import CausalLM, model_param_axes
 from mtp_jax.parallel.sharding import MESH_AXES, ShardingRules
 from mtp_jax.params.tree import abstract_params, assemble, nest
 from mtp_jax.runtime.errors import UserError
-
-TUNIX_DEFAULT_ROPE_THETA = 1_000_000.0  # tunix's `apply_rope(..., rope_theta=1_000_000)` default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +54,24 @@ def tunix_family(model: nnx.Module) -> TunixFamily:
     return FAMILIES[name]
 
 
+def forward_rope_theta(model: nnx.Module) -> float:
+    """The rotary base the forward of a tunix model whose attention calls its module's `apply_rope` without one
+    uses: that function's default, or the `rope_theta` of a `functools.partial` put in its place (how to run such a
+    model at its checkpoint's base: `tunix.models.llama3.model.apply_rope = functools.partial(apply_rope,
+    rope_theta=...)`)."""
+    rope = sys.modules[type(model).__module__].apply_rope
+    if isinstance(rope, functools.partial) and "rope_theta" in rope.keywords:
+        return float(rope.keywords["rope_theta"])
+    return float(inspect.signature(rope).parameters["rope_theta"].default)
+
+
 def trunk_config(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int) -> ModelConfig:
     """This project's config of tunix `model`'s trunk (no MTP layer), stopping at `eos_token_ids`, holding
     `context` positions."""
     family, cfg = tunix_family(model), model.config
     if getattr(cfg, "num_experts", None):
         raise UserError("tunix's routed-expert Qwen3 is not mapped: only its dense configs are")
-    rope_theta = TUNIX_DEFAULT_ROPE_THETA if family.forward_ignores_rope_theta else float(cfg.rope_theta)
+    rope_theta = forward_rope_theta(model) if family.forward_ignores_rope_theta else float(cfg.rope_theta)
     hf = {
         "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,

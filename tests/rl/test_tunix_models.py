@@ -3,6 +3,8 @@ rope_theta other than tunix's default so that a forward reading the wrong base s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,9 +13,15 @@ from flax import nnx
 
 pytest.importorskip("tunix", reason="tunix comes with the `rl` extra; .ci/run tests it in an environment of its own")
 
+from tunix.models.llama3 import model as llama3
+from tunix.models.qwen3 import model as qwen3
+
+from mtp_jax.models.causal_lm import CausalLM
+from mtp_jax.rl.tunix_export import tunix_model_from_causal_lm
 from mtp_jax.rl.tunix_models import causal_lm_from_tunix, trunk_config
 from mtp_jax.runtime.errors import UserError
 from tests.rl.tunix_support import tiny_tunix_model
+from tests.support.tiny_models import tiny_config
 
 
 def tunix_logits(model, tokens: jax.Array) -> jax.Array:
@@ -51,3 +59,24 @@ def test_the_mapped_config_keeps_tunix_s_shape_and_stops_at_the_given_eos():
 def test_a_model_that_is_not_tunix_s_is_refused():
     with pytest.raises(UserError, match="cannot be mapped"):
         trunk_config(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), eos_token_ids=(1,), context=8)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_causal_lm_exported_to_tunix_computes_its_logits_and_maps_back_to_itself(family, monkeypatch):
+    cfg = tiny_config(vocab=48).replace(family=family, qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+                                        mtp=None, rope=tiny_config().rope)  # fmt: skip
+    ours = CausalLM(cfg, rngs=nnx.Rngs(4))
+    for proj in (ours.segments[0].layers.attn.q_proj, ours.segments[0].layers.attn.k_proj):
+        proj[...] = proj[...] * 4.0  # attention that depends on positions (see tiny_tunix_model)
+    if family != "qwen2":  # tunix's forward ignores the config's base: refused until it is set
+        with pytest.raises(UserError, match="rotary base"):
+            tunix_model_from_causal_lm(ours)
+        module = llama3 if family == "llama" else qwen3
+        monkeypatch.setattr(module, "apply_rope", functools.partial(module.apply_rope, rope_theta=cfg.rope.theta))
+    exported = tunix_model_from_causal_lm(ours)
+    tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 48)
+    np.testing.assert_allclose(np.asarray(tunix_logits(exported, tokens)), np.asarray(our_logits(ours, tokens)),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    back = causal_lm_from_tunix(exported, eos_token_ids=cfg.eos_token_ids, context=cfg.max_position_embeddings)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(ours)), nnx.to_flat_state(nnx.state(back)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), str(path))
