@@ -1,0 +1,140 @@
+"""`python -m mtp_jax.bench.rl_rollouts`: tunix's GRPO on the default model (exported to tunix's Llama3), its
+rollouts through `MtpRollout` with the shipped head frozen or refreshed at each weight sync, or plain (no drafts);
+per RL step, the rollouts' first-draft acceptance, tokens/s and the refresh's cost, as JSON lines.
+
+The task has a checkable answer: "What is A times B?", asked for a final "Answer: N" line; the reward is 1 for the
+right product on that line, 0.5 for the right product elsewhere in the answer, 0.1 for the line with another
+number (a 135M model rarely keeps the format at first). Needs the `rl` extra (tunix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from transformers import AutoTokenizer
+from tunix.models.llama3 import model as llama3
+from tunix.rl import rl_cluster as rlc
+from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
+from tunix.sft import metrics_logger
+
+import mtp_jax
+from mtp_jax.loading.default_conversion import cached_folder
+from mtp_jax.loading.default_model import default_gguf_path
+from mtp_jax.loading.heads import DEFAULT_HEAD
+from mtp_jax.rl.tunix_export import tunix_model_from_causal_lm
+from mtp_jax.rl.tunix_rollout import MtpRollout
+from mtp_jax.training.head_refresh import RefreshConfig
+
+QUESTION = "What is {a} times {b}? Think briefly, then end with a line 'Answer: N'."
+ANSWER = re.compile(r"Answer:\s*(-?\d+)")
+
+
+def products(count: int, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(rng.randint(2, 30), rng.randint(2, 12)) for _ in range(count)]
+
+
+MEAN_REWARDS: list[float] = []  # per call of `reward`: one a step
+RECORDS: list[dict] = []  # per rollout (`MeasuredRollout.generate`): one a step
+
+
+def reward(prompts, completions, **kwargs) -> list[float]:
+    """1 for the right product on an "Answer: N" line, 0.5 for it elsewhere, 0.1 for the line with another number."""
+    scores = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        a, b = (int(x) for x in re.findall(r"What is (\d+) times (\d+)", prompt)[0])
+        found = ANSWER.findall(completion)
+        if found and int(found[-1]) == a * b:
+            scores.append(1.0)
+        elif str(a * b) in re.findall(r"-?\d+", completion):
+            scores.append(0.5)
+        else:
+            scores.append(0.1 if found else 0.0)
+    MEAN_REWARDS.append(float(np.mean(scores)))
+    return scores
+
+
+class MeasuredRollout(MtpRollout):
+    """MtpRollout that records, per `generate`, its seconds, the refresh's seconds before it, and the drafts."""
+
+    def generate(self, prompts, rollout_config, **kwargs):
+        refresh_before, start = self.seconds["refresh"], time.perf_counter()
+        out = super().generate(prompts, rollout_config, **kwargs)
+        wall = time.perf_counter() - start
+        refresh = self.seconds["refresh"] - refresh_before
+        stats, tokens = self.last_stats, sum(len(t) for t in out.tokens)
+        reached = stats["reached"][0] if stats["reached"] else 0
+        RECORDS.append({
+            "rollout_seconds": wall - refresh, "refresh_seconds": refresh, "tokens": tokens,
+            "tokens_per_second": tokens / max(wall - refresh, 1e-9),
+            "first_draft_acceptance": stats["accepted_at"][0] / reached if reached else None,
+            "tokens_per_round": stats["emitted"] / max(stats["row_rounds"], 1),
+        })  # fmt: skip
+        return out
+
+
+def arguments(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mtp_jax.bench.rl_rollouts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=["frozen", "refresh", "plain"], default="refresh")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-draft", type=int, default=2)
+    parser.add_argument("--refresh-steps", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-6)
+    parser.add_argument("--out", required=True, help="JSON lines, one per RL step")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = arguments(argv)
+    model, _ = mtp_jax.load(dtype=jnp.float32, weights="bfloat16", activations="float", default_head=False)
+    # transformers' tokenizer (what tunix's adapter reads), from the default model's converted folder
+    tokenizer = AutoTokenizer.from_pretrained(cached_folder(default_gguf_path(), jnp.float32, keep_blocks=False))
+    llama3.apply_rope = functools.partial(llama3.apply_rope, rope_theta=model.config.rope.theta)  # tunix's base bug
+    policy, reference = tunix_model_from_causal_lm(model), tunix_model_from_causal_lm(model)
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    refresh = RefreshConfig(num_steps=2, learning_rate=1e-4) if args.mode == "refresh" else None
+    engine = functools.partial(MeasuredRollout, head=DEFAULT_HEAD, num_draft=0 if args.mode == "plain" else
+                               args.num_draft, slots=args.prompts_per_step * args.generations, refresh=refresh,
+                               refresh_steps=args.refresh_steps)  # fmt: skip
+    logging = metrics_logger.MetricsLoggerOptions(log_dir=tempfile.mkdtemp(), flush_every_n_steps=1)
+    training = rlc.RLTrainingConfig(actor_optimizer=optax.adamw(args.lr), eval_every_n_steps=10**9,
+                                    max_steps=args.steps, metrics_logging_options=logging)  # fmt: skip
+    rollouts = base_rollout.RolloutConfig(max_tokens_to_generate=args.max_tokens, temperature=1.0,
+                                          max_prompt_length=64, kv_cache_size=64 + args.max_tokens)  # fmt: skip
+    meshes = {rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh}
+    config = rlc.ClusterConfig(role_to_mesh=meshes, rollout_engine=engine, training_config=training,
+                               rollout_config=rollouts)  # fmt: skip
+    cluster = rlc.RLCluster(actor=policy, reference=reference, tokenizer=tokenizer, cluster_config=config)
+    algorithm = grpo_learner.GRPOConfig(num_generations=args.generations, num_iterations=1, beta=0.04)
+    learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algorithm, reward_fns=[reward])
+    pairs = products(args.steps * args.prompts_per_step, seed=0)
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(a=a, b=b)}],
+                                          tokenize=False, add_generation_prompt=True) for a, b in pairs]  # fmt: skip
+    batches = [{"prompts": np.array(chat[i : i + args.prompts_per_step])}
+               for i in range(0, len(chat), args.prompts_per_step)]  # fmt: skip
+    start = time.perf_counter()
+    learner.train(batches)
+    with open(args.out, "w") as f:
+        for step, (record, mean_reward) in enumerate(zip(RECORDS, MEAN_REWARDS, strict=False)):
+            f.write(json.dumps({"step": step, "mode": args.mode, "mean_reward": mean_reward, **record}) + "\n")
+    print(f"{len(RECORDS)} rollouts in {time.perf_counter() - start:.0f} s; {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
