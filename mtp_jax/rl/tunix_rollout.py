@@ -129,10 +129,16 @@ class MtpRollout(base_rollout.BaseRollout):
         return [int(t) for t in self._tokenizer.dedup_bos_ids(bos + list(self._tokenizer.encode(prompt)))]
 
     def _request_keys(self, seed, count: int) -> list[jax.Array]:
+        """A key a prompt: from the rollout config's seed (an int, a typed key or a raw uint32 key), else from this
+        engine's own stream, which moves on each call."""
         if seed is None:
             self._key, base = jax.random.split(self._key)
+        elif jnp.issubdtype(jnp.asarray(seed).dtype, jax.dtypes.prng_key):
+            base = seed
+        elif jnp.ndim(seed):
+            base = jax.random.wrap_key_data(jnp.asarray(seed, jnp.uint32))
         else:
-            base = seed if jnp.issubdtype(jnp.asarray(seed).dtype, jax.dtypes.prng_key) else jax.random.key(seed)
+            base = jax.random.key(int(seed))
         return [jax.random.fold_in(base, i) for i in range(count)]
 
     def _decode(self, ids: list[list[int]], cfg: base_rollout.RolloutConfig, keys) -> list[np.ndarray]:
