@@ -13,8 +13,9 @@ import pytest
 from tests.support.commands import ROOT
 
 NOTEBOOK_DIR = os.path.join(ROOT, "notebooks")
-NOTEBOOKS = ["quickstart", "convert_and_shard", "train_mtp_head", "mtp_in_training_loop"]
-USES_DEFAULT_MODEL = {"quickstart", "train_mtp_head"}
+NOTEBOOKS = ["quickstart", "convert_and_shard", "train_mtp_head", "mtp_in_training_loop", "rl_with_mtp_rollouts"]
+USES_DEFAULT_MODEL = {"quickstart", "train_mtp_head", "rl_with_mtp_rollouts"}
+NEEDS_TUNIX = {"rl_with_mtp_rollouts"}  # runs where the `rl` extra is installed (.ci/run's second environment)
 FAKE_DEVICES = {"convert_and_shard", "mtp_in_training_loop"}  # 8 CPU devices in the notebook's kernel
 
 
@@ -43,6 +44,8 @@ def test_outputs_are_stripped(name):
 def test_notebook_runs(name, tmp_path, monkeypatch, request):
     from nbclient import NotebookClient
 
+    if name in NEEDS_TUNIX:
+        pytest.importorskip("tunix", reason="tunix comes with the `rl` extra; .ci/run runs this notebook there")
     if name in USES_DEFAULT_MODEL:
         request.getfixturevalue("smollm2_path")  # fails in CI, skips elsewhere, when the default model is missing
         monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")  # as the `optimized_compiles` fixture (conftest.py)
