@@ -96,7 +96,13 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--refresh-steps", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-6)
     parser.add_argument("--out", required=True, help="JSON lines, one per RL step")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    counts = ("steps", "prompts_per_step", "max_tokens", "refresh_steps")
+    for name in (n for n in counts if getattr(args, n) < 1):
+        parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.generations < 2 or args.num_draft < 1 or not args.lr > 0:
+        parser.error("--generations must be >= 2 (GRPO compares answers), --num-draft >= 1 and --lr > 0")
+    return args
 
 
 def run(

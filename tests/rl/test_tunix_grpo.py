@@ -67,3 +67,14 @@ def test_grpo_trains_the_policy_through_mtp_rollouts(tmp_path):
         np.testing.assert_array_equal(np.asarray(ours[path].get_value()), np.asarray(value.get_value()), str(path))
     assert rollout.seconds["refresh"] > 0 and rollout.last_refresh["loss"] > 0
     assert rollout.last_stats["drafted"] > 0 and rollout.last_stats["accepted"] > 0
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--generations", "1"], ["--lr", "0"]])
+def test_the_rl_bench_refuses_bad_settings_in_one_line(argv, capsys, tmp_path):
+    from mtp_jax.bench.rl_rollouts import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--out", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err[-1].startswith("python -m mtp_jax.bench.rl_rollouts: error: --")
+    assert not (tmp_path / "out.jsonl").exists()
