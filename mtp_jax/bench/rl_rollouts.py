@@ -48,6 +48,8 @@ def products(count: int, seed: int) -> list[tuple[int, int]]:
 
 MEAN_REWARDS: list[float] = []  # per call of `reward`: one a step
 RECORDS: list[dict] = []  # per rollout (`MeasuredRollout.generate`): one a step
+STEP_LISTENERS: list = []  # called with each step's finished record (its rollouts, then its reward)
+STEP_ENDS: list[float] = []  # perf_counter at the start of the run, then at each step's reward
 
 
 def reward(prompts, completions, **kwargs) -> list[float]:
@@ -63,6 +65,12 @@ def reward(prompts, completions, **kwargs) -> list[float]:
         else:
             scores.append(0.1 if found else 0.0)
     MEAN_REWARDS.append(float(np.mean(scores)))
+    STEP_ENDS.append(time.perf_counter())
+    step = len(MEAN_REWARDS) - 1
+    if step < len(RECORDS):
+        RECORDS[step]["step_seconds"] = STEP_ENDS[-1] - STEP_ENDS[-2]  # reward to reward: the whole RL step
+        for listener in STEP_LISTENERS:
+            listener({"step": step, "mean_reward": MEAN_REWARDS[step], **RECORDS[step]})
     return scores
 
 
@@ -93,11 +101,12 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-draft", type=int, default=2)
-    parser.add_argument("--refresh-steps", type=int, default=2)
+    parser.add_argument("--refresh-steps", type=int, default=1)
+    parser.add_argument("--refresh-rows", type=int, default=4, help="rollouts a refresh reads (of those of a step)")
     parser.add_argument("--lr", type=float, default=3e-6)
-    parser.add_argument("--out", required=True, help="JSON lines, one per RL step")
+    parser.add_argument("--out", required=True, help="JSON lines, one per RL step, each written as the step ends")
     args = parser.parse_args(argv)
-    counts = ("steps", "prompts_per_step", "max_tokens", "refresh_steps")
+    counts = ("steps", "prompts_per_step", "max_tokens", "refresh_steps", "refresh_rows")
     for name in (n for n in counts if getattr(args, n) < 1):
         parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.generations < 2 or args.num_draft < 1 or not args.lr > 0:
@@ -112,13 +121,18 @@ def run(
     generations: int = 4,
     max_tokens: int = 64,
     num_draft: int = 2,
-    refresh_steps: int = 2,
+    refresh_steps: int = 1,
+    refresh_rows: int = 4,
     lr: float = 3e-6,
+    on_step=None,
 ) -> list[dict]:
     """`steps` GRPO steps on the default model with rollouts of `mode` ("refresh", "frozen" or "plain"): one record
-    a step (its rollouts' first-draft acceptance, tokens a round, tokens/s, the refresh's seconds, mean reward)."""
+    a step (its rollouts' first-draft acceptance, tokens a round, tokens/s, the refresh's seconds, mean reward, the
+    step's seconds from the last step's reward to its own: the first holds the set-up), each also passed to
+    `on_step` as the step ends."""
     RECORDS.clear()
     MEAN_REWARDS.clear()
+    STEP_ENDS[:] = [time.perf_counter()]
     model, _ = mtp_jax.load(dtype=jnp.float32, weights="bfloat16", activations="float", default_head=False)
     # transformers' tokenizer (what tunix's adapter reads), from the default model's converted folder
     tokenizer = AutoTokenizer.from_pretrained(cached_folder(default_gguf_path(), jnp.float32, keep_blocks=False))
@@ -128,7 +142,7 @@ def run(
     refresh = RefreshConfig(num_steps=2, learning_rate=1e-4) if mode == "refresh" else None
     engine = functools.partial(MeasuredRollout, head=DEFAULT_HEAD, num_draft=0 if mode == "plain" else num_draft,
                                slots=prompts_per_step * generations, refresh=refresh,
-                               refresh_steps=refresh_steps)  # fmt: skip
+                               refresh_steps=refresh_steps, refresh_rows=refresh_rows)  # fmt: skip
     logging = metrics_logger.MetricsLoggerOptions(log_dir=tempfile.mkdtemp(), flush_every_n_steps=1)
     training = rlc.RLTrainingConfig(actor_optimizer=optax.adamw(lr), eval_every_n_steps=10**9, max_steps=steps,
                                     metrics_logging_options=logging)  # fmt: skip
@@ -143,9 +157,13 @@ def run(
     chat = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTION.format(a=a, b=b)}],
                                           tokenize=False, add_generation_prompt=True)
             for a, b in products(steps * prompts_per_step, seed=0)]  # fmt: skip
-    learner.train(
-        [{"prompts": np.array(chat[i : i + prompts_per_step])} for i in range(0, len(chat), prompts_per_step)]
-    )
+    STEP_LISTENERS[:] = [] if on_step is None else [lambda record: on_step({"mode": mode, **record})]
+    try:
+        learner.train(
+            [{"prompts": np.array(chat[i : i + prompts_per_step])} for i in range(0, len(chat), prompts_per_step)]
+        )
+    finally:
+        STEP_LISTENERS.clear()
     return [{"step": step, "mode": mode, "mean_reward": mean_reward, **record}
             for step, (record, mean_reward) in enumerate(zip(RECORDS, MEAN_REWARDS, strict=False))]  # fmt: skip
 
@@ -153,10 +171,14 @@ def run(
 def main(argv=None) -> int:
     args = arguments(argv)
     start = time.perf_counter()
-    rows = run(args.mode, args.steps, args.prompts_per_step, args.generations, args.max_tokens, args.num_draft,
-               args.refresh_steps, args.lr)  # fmt: skip
     with open(args.out, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+        def write(record: dict) -> None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+        rows = run(args.mode, args.steps, args.prompts_per_step, args.generations, args.max_tokens, args.num_draft,
+                   args.refresh_steps, args.refresh_rows, args.lr, on_step=write)  # fmt: skip
     print(f"{len(rows)} RL steps in {time.perf_counter() - start:.0f} s; {args.out}", file=sys.stderr)
     return 0
 

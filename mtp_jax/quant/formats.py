@@ -30,6 +30,9 @@ from mtp_jax.quant.matmul_axes import MatmulAxes, param_matmul
 from mtp_jax.quant.quantized_array import QuantizedArray, WeightFormat
 
 STORED_FORMATS: dict[str, WeightFormat] = {fmt.name: fmt for fmt in (INT8, INT4, FP8)}  # each from its module
+# each format's quantizer compiled, one program a weight shape (op by op, a model's weights compiled a dozen small
+# programs for each shape)
+COMPILED_QUANTIZERS = {name: jax.jit(fmt.quantize, static_argnums=(1, 2)) for name, fmt in STORED_FORMATS.items()}
 WEIGHT_FORMATS = ("auto", "bfloat16", *STORED_FORMATS)  # how matmul weights are stored (`--weights`)
 ACTIVATION_FORMATS = ("auto", "float", "int8")  # what blocked weights multiply: checkpoint.with_activations
 
@@ -51,7 +54,7 @@ def quantize_weight(
 ) -> QuantizedArray:
     """`weight` stored as the format `weights` of `STORED_FORMATS` for products over its `contracting` axes, no block
     crossing a `batched` one."""
-    return STORED_FORMATS[weights].quantize(weight, contracting, batched)
+    return COMPILED_QUANTIZERS[weights](weight, tuple(contracting), tuple(batched))
 
 
 def stored_weight(weight: jax.Array, weights: str, matmul: MatmulAxes | None) -> QuantizedArray | None:

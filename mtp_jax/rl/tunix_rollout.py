@@ -37,17 +37,20 @@ from mtp_jax.rl.tunix_models import causal_lm_from_tunix
 from mtp_jax.runtime.errors import UserError
 from mtp_jax.training.head_refresh import RefreshConfig, init_refresh, refresh_head, rollout_batch
 
+ROW_WIDTH_MULTIPLE = 64  # a refresh's rows are padded to a multiple of this, so nearby widths share a program
+
 
 class MtpRollout(base_rollout.BaseRollout):
     """tunix's rollout engine with MTP drafts (see the module's docstring). `head`: a head folder
     (`train_head`'s output) or a `CausalLM` holding one, for tunix's trunk; None decodes plainly. `num_draft`: drafts
     a round; `slots`: rows decoded at once; `refresh`: keep the head fresh, `refresh_steps` optimizer steps at each
-    weight sync; `dtype`: the rollout model's."""
+    weight sync on `refresh_rows` of the last rollouts (drawn afresh each sync; None: all of them; the refresh's
+    trunk pass costs in proportion); `dtype`: the rollout model's."""
 
     def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh: jax.sharding.Mesh | None,
                  rollout_config: base_rollout.RolloutConfig, *, head: str | CausalLM | None = None,
                  num_draft: int = 3, slots: int = 8, refresh: RefreshConfig | None = None, refresh_steps: int = 1,
-                 dtype=jnp.float32):  # fmt: skip
+                 refresh_rows: int | None = None, dtype=jnp.float32):  # fmt: skip
         if not isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter):  # as tunix's sampler takes them
             tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
         self._tokenizer = tokenizer
@@ -68,9 +71,12 @@ class MtpRollout(base_rollout.BaseRollout):
         self._decode_config = DecodeConfig(num_draft=num_draft if model.config.has_mtp else 0)
         self._slots = slots
         self._engine = self._new_engine(model)
-        self._refresh, self._refresh_steps = refresh, refresh_steps
+        self._refresh, self._refresh_steps, self._refresh_rows = refresh, refresh_steps, refresh_rows
         if refresh is not None and not model.config.has_mtp:
             raise UserError("refresh needs an MTP head: give MtpRollout a head")
+        if refresh_rows is not None and refresh_rows < 1:
+            raise UserError(f"refresh_rows must be at least 1 (or None for every rollout), got {refresh_rows}")
+        self._row_draws = np.random.default_rng(0)  # which rollouts a refresh reads
         self._opt_state = init_refresh(model, refresh) if refresh is not None else None
         self._last_rollouts = None  # (tokens [B, T], lengths [B], answer starts [B]) on device, for the refresh
         self._refresh_pending = False
@@ -196,12 +202,22 @@ class MtpRollout(base_rollout.BaseRollout):
         the slots' rebuild: tunix syncs weights where no host transfer is allowed, and both place host values."""
         start = time.perf_counter()
         model = self._model
-        batch = rollout_batch(model, *self._last_rollouts)
+        batch = rollout_batch(model, *self._refresh_sample())
         for _ in range(self._refresh_steps):
             model, self._opt_state, metrics = refresh_head(model, self._opt_state, batch, self._refresh)
         self.last_refresh = {"loss": float(metrics["loss"]), "acc": np.asarray(metrics["acc"]).tolist()}
         self._model, self._refresh_pending = model, False
         self.seconds["refresh"] += time.perf_counter() - start
+
+    def _refresh_sample(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The last rollouts' rows a refresh reads: `refresh_rows` of them drawn without replacement, or all."""
+        count = self._last_rollouts[0].shape[0]
+        if self._refresh_rows is None or self._refresh_rows >= count:
+            return self._last_rollouts
+        rows = jnp.asarray(np.sort(self._row_draws.choice(count, self._refresh_rows, replace=False)))
+        tokens, lengths, starts = (jnp.take(x, rows, axis=0) for x in self._last_rollouts)
+        width = -(-int(jnp.max(lengths)) // ROW_WIDTH_MULTIPLE) * ROW_WIDTH_MULTIPLE  # the drawn rows' own width
+        return tokens[:, :width], lengths, starts
 
     def pad_id(self) -> int:
         return self._tokenizer.pad_id()
@@ -239,7 +255,7 @@ def rollout_rows(ids: list[list[int]], answers: list[np.ndarray]) -> tuple[jax.A
     """(prompt + answer right-padded [B, T], lengths [B], where each answer starts [B]) on device: what a head
     refresh reads of the rollouts."""
     lengths = [len(p) + len(a) for p, a in zip(ids, answers, strict=True)]
-    width = -(-max(lengths) // 64) * 64
+    width = -(-max(lengths) // ROW_WIDTH_MULTIPLE) * ROW_WIDTH_MULTIPLE
     rows = np.zeros((len(ids), width), np.int32)
     for row, (prompt, answer) in enumerate(zip(ids, answers, strict=True)):
         rows[row, : lengths[row]] = [*prompt, *answer]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,10 @@ from scipy.stats import chi2_contingency
 from tunix.rl import common
 from tunix.rl.rollout import base_rollout, vanilla_rollout
 
+from mtp_jax.rl import tunix_rollout
 from mtp_jax.rl.tunix_rollout import MtpRollout
-from mtp_jax.training.head_refresh import RefreshConfig
+from mtp_jax.runtime.errors import UserError
+from mtp_jax.training.head_refresh import RefreshConfig, rollout_batch
 from tests.rl.tunix_support import CharTokenizer, predictable_head, tiny_tunix_model
 
 PROMPTS = ["hello there", "what is 2+2?", "abc", "the quick brown fox jumps over the lazy dog"]  # the last: > 16
@@ -184,3 +187,27 @@ def test_a_refreshed_head_wins_back_the_acceptance_a_frozen_one_loses(policy):
         assert same == (path[0] != "mtp"), path
     assert refreshed.seconds["refresh"] > 0
     assert frozen_after < start - 0.1 and refreshed_after > frozen_after + 0.1, (start, frozen_after, refreshed_after)
+
+
+def test_a_refresh_reads_as_many_rollouts_as_it_is_given(policy, monkeypatch):
+    prompts = [f"{a} {b}" for a in ("one", "two", "three", "four") for b in ("cat", "dog", "sun", "sea")]
+    read = []
+
+    def recording(model, tokens, lengths, starts):
+        read.append((np.asarray(tokens), np.asarray(lengths), np.asarray(starts)))
+        return rollout_batch(model, tokens, lengths, starts)
+
+    monkeypatch.setattr(tunix_rollout, "rollout_batch", recording)
+    trainer = moved(policy, amplify=2.0)
+    for rows, expected in ((3, 3), (40, len(prompts))):
+        engine = ours(policy, refresh=RefreshConfig(num_steps=2), refresh_rows=rows)
+        answers = engine.generate(prompts, rollout_config(1.0, tokens=24, seed=3)).tokens
+        with as_tunix_syncs_weights():
+            engine.update_params(nnx.state(trainer, nnx.Param))
+        engine.generate(prompts[:1], rollout_config(0.0))
+        tokens, lengths, starts = read.pop()
+        assert len(tokens) == expected and tokens.shape[1] % 64 == 0 and tokens.shape[1] - 64 < lengths.max()
+        drawn = Counter(tuple(row[start:length]) for row, start, length in zip(tokens, starts, lengths, strict=True))
+        assert drawn <= Counter(tuple(a.tolist()) for a in answers)  # rollouts' own rows, none read twice
+    with pytest.raises(UserError, match="refresh_rows"):
+        ours(policy, refresh=RefreshConfig(), refresh_rows=0)
