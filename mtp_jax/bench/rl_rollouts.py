@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import random
 import re
 import sys
@@ -69,9 +70,20 @@ def reward(prompts, completions, **kwargs) -> list[float]:
     step = len(MEAN_REWARDS) - 1
     if step < len(RECORDS):
         RECORDS[step]["step_seconds"] = STEP_ENDS[-1] - STEP_ENDS[-2]  # reward to reward: the whole RL step
+        RECORDS[step]["live_array_bytes"] = sum(a.nbytes for a in jax.live_arrays())  # what the process holds
+        RECORDS[step]["rss_bytes"] = resident_bytes()
         for listener in STEP_LISTENERS:
             listener({"step": step, "mean_reward": MEAN_REWARDS[step], **RECORDS[step]})
     return scores
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class MeasuredRollout(MtpRollout):
@@ -128,8 +140,8 @@ def run(
 ) -> list[dict]:
     """`steps` GRPO steps on the default model with rollouts of `mode` ("refresh", "frozen" or "plain"): one record
     a step (its rollouts' first-draft acceptance, tokens a round, tokens/s, the refresh's seconds, mean reward, the
-    step's seconds from the last step's reward to its own: the first holds the set-up), each also passed to
-    `on_step` as the step ends."""
+    step's seconds from the last step's reward to its own: the first holds the set-up, the bytes of the arrays alive
+    and the process's resident memory at its end), each also passed to `on_step` as the step ends."""
     RECORDS.clear()
     MEAN_REWARDS.clear()
     STEP_ENDS[:] = [time.perf_counter()]
