@@ -20,12 +20,12 @@ PANELS = (
 
 
 def value(row: dict, name: str) -> float | None:
-    """A step's quantity of PANELS; None where it has none: no acceptance without drafts, no refresh share in the
-    first step (its set-up) or where the step's seconds were not recorded."""
+    """A step's quantity of PANELS; None where it has none: no acceptance without drafts, no refresh share without a
+    refresh, in the first step (its set-up) or where the step's seconds were not recorded."""
     if name != "refresh_share":
         return row.get(name)
     step = row.get("step_seconds")
-    return row["refresh_seconds"] / step if step and row["step"] > 0 else None
+    return row["refresh_seconds"] / step if step and row["step"] > 0 and row["refresh_seconds"] > 0 else None
 
 
 def plot(runs: dict[str, list[dict]]) -> Figure:

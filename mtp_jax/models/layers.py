@@ -7,7 +7,6 @@ Einsum letters, used the same way in every file:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -27,14 +26,7 @@ def init_weight(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, fan_in: in
     """A weight of `shape` drawn from N(0, 1 / fan_in) (zeros without `rngs`: a model to be filled by a loader)."""
     if rngs is None:
         return jnp.zeros(shape, dtype)
-    return normal_weight(rngs.params(), tuple(int(d) for d in shape), jnp.dtype(dtype), int(fan_in))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def normal_weight(key: jax.Array, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
-    """N(0, 1 / fan_in) of `shape` in `dtype`, one compiled program a shape (drawn op by op, a model of many
-    shapes compiled three small programs for each)."""
-    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
 
 
 class RMSNorm(nnx.Module):

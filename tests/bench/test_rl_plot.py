@@ -35,6 +35,7 @@ def test_each_panel_plots_each_runs_own_values(tmp_path):
     lines = {(ax.get_title(), line.get_label()): line.get_xydata() for ax in axes for line in ax.get_lines()}
     acceptance, share = rl_plot.PANELS[0][1], rl_plot.PANELS[2][1]
     assert {label for title, label in lines if title == acceptance} == {"refresh", "frozen"}  # plain drafts nothing
+    assert {label for title, label in lines if title == share} == {"refresh"}
     np.testing.assert_allclose(lines[acceptance, "frozen"], [[s, 0.4 + 0.01 * s] for s in range(5)])
     np.testing.assert_allclose(lines[share, "refresh"], [[s, 2.0 * s / 40.0] for s in range(1, 5)])  # after set-up
     np.testing.assert_allclose(lines["rollout tokens/s", "plain"], [[s, 40.0 + s] for s in range(5)])
