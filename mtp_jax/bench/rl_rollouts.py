@@ -70,7 +70,7 @@ def reward(prompts, completions, **kwargs) -> list[float]:
     step = len(MEAN_REWARDS) - 1
     if step < len(RECORDS):
         RECORDS[step]["step_seconds"] = STEP_ENDS[-1] - STEP_ENDS[-2]  # reward to reward: the whole RL step
-        RECORDS[step]["live_array_bytes"] = sum(a.nbytes for a in jax.live_arrays())  # what the process holds
+        RECORDS[step]["live_array_bytes"] = sum(x.nbytes for x in jax.live_arrays())  # what the process holds
         RECORDS[step]["rss_bytes"] = resident_bytes()
         for listener in STEP_LISTENERS:
             listener({"step": step, "mean_reward": MEAN_REWARDS[step], **RECORDS[step]})
