@@ -1,7 +1,8 @@
 """`python -m mtp_jax.bench.rl_plot RUN.jsonl ... --out FIGURE.png`: the runs `python -m mtp_jax.bench.rl_rollouts`
 wrote (one JSON line an RL step, one file a mode), plotted per RL step: the first drafts' acceptance on the current
-policy's answers, rollout tokens/s, the refresh's share of the step's wall clock, and the mean reward. Each run's
-first step holds the set-up and the first compiles, so the refresh's share starts at the second."""
+policy's answers, both heads' expected acceptance scored on the same answers (the drafting head and the shipped one),
+rollout tokens/s, the refresh's share of the step's wall clock, and the mean reward. Each run's first step holds the
+set-up and the first compiles, so the refresh's share starts at the second."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import sys
 
 from matplotlib.figure import Figure
 
-PANELS = (
-    ("first_draft_acceptance", "first-draft acceptance on the policy's answers"),
-    ("tokens_per_second", "rollout tokens/s"),
-    ("refresh_share", "refresh / RL step wall clock"),
-    ("mean_reward", "mean reward"),
-)
+PANELS = (  # (title, the quantities it plots: a line for each and each run)
+    ("first-draft acceptance on the policy's answers", ("first_draft_acceptance",)),
+    ("expected first-draft acceptance (teacher-forced, T = 1)",
+     ("head_expected_acceptance", "shipped_head_expected_acceptance")),
+    ("rollout tokens/s", ("tokens_per_second",)),
+    ("refresh / RL step wall clock", ("refresh_share",)),
+    ("mean reward", ("mean_reward",)),
+)  # fmt: skip
+LINE_NAMES = {"head_expected_acceptance": "drafting head", "shipped_head_expected_acceptance": "shipped head"}
 
 
 def value(row: dict, name: str) -> float | None:
@@ -29,17 +33,20 @@ def value(row: dict, name: str) -> float | None:
 
 
 def plot(runs: dict[str, list[dict]]) -> Figure:
-    """A figure of one panel per PANELS entry, a line per run (its mode's name); steps without a quantity (`value`)
-    are left out of its panel. A matplotlib `Figure` of its own (no pyplot state): `savefig` it, or display it."""
+    """A figure of one panel per PANELS entry, a line per run and quantity (the run's mode, and the quantity's
+    LINE_NAMES entry where a panel has several); steps without a quantity (`value`) are left out of its line. A
+    matplotlib `Figure` of its own (no pyplot state): `savefig` it, or display it."""
     fig = Figure(figsize=(5 * len(PANELS), 4))
     axes = fig.subplots(1, len(PANELS))
     for mode, rows in runs.items():
-        for ax, (name, _) in zip(axes, PANELS, strict=True):
-            points = [(row["step"], value(row, name)) for row in rows]
-            points = [(step, y) for step, y in points if y is not None]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=mode)
-    for ax, (_, title) in zip(axes, PANELS, strict=True):
+        for ax, (_, names) in zip(axes, PANELS, strict=True):
+            for name in names:
+                points = [(row["step"], value(row, name)) for row in rows]
+                points = [(step, y) for step, y in points if y is not None]
+                label = mode if len(names) == 1 else f"{mode}: {LINE_NAMES[name]}"
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=label)
+    for ax, (title, _) in zip(axes, PANELS, strict=True):
         ax.set_title(title)
         ax.set_xlabel("RL step")
         if ax.has_data():

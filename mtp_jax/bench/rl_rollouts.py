@@ -1,6 +1,8 @@
 """`python -m mtp_jax.bench.rl_rollouts`: tunix's GRPO on the default model (exported to tunix's Llama3), its
 rollouts through `MtpRollout` with the shipped head frozen or refreshed at each weight sync, or plain (no drafts);
-per RL step, the rollouts' first-draft acceptance, tokens/s and the refresh's cost, as JSON lines.
+per RL step, the rollouts' first-draft acceptance, tokens/s and the refresh's cost, as JSON lines. Each step also
+scores, teacher-forced on a few of its own rollouts under the policy that sampled them, both the head that drafted
+them and the shipped head as it was before any refresh: the two heads compared on one policy's answers.
 
 The task has a checkable answer: "What is A times B?", asked for a final "Answer: N" line; the reward is 1 for the
 right product on that line, 0.5 for the right product elsewhere in the answer, 0.1 for the line with another
@@ -35,8 +37,9 @@ from mtp_jax.loading.default_conversion import cached_folder
 from mtp_jax.loading.default_model import default_gguf_path
 from mtp_jax.loading.heads import DEFAULT_HEAD
 from mtp_jax.rl.tunix_export import tunix_model_from_causal_lm
-from mtp_jax.rl.tunix_rollout import MtpRollout
-from mtp_jax.training.head_refresh import RefreshConfig
+from mtp_jax.rl.tunix_rollout import MtpRollout, sample_rows
+from mtp_jax.training.head_refresh import RefreshConfig, draft_agreement, rollout_batch, with_head
+from mtp_jax.training.head_training import split_trainable
 
 QUESTION = "What is {a} times {b}? Think briefly, then end with a line 'Answer: N'."
 ANSWER = re.compile(r"Answer:\s*(-?\d+)")
@@ -69,7 +72,8 @@ def reward(prompts, completions, **kwargs) -> list[float]:
     STEP_ENDS.append(time.perf_counter())
     step = len(MEAN_REWARDS) - 1
     if step < len(RECORDS):
-        RECORDS[step]["step_seconds"] = STEP_ENDS[-1] - STEP_ENDS[-2]  # reward to reward: the whole RL step
+        scoring = RECORDS[step].get("score_seconds", 0.0)  # the bench's own measurement, not the RL step's work
+        RECORDS[step]["step_seconds"] = STEP_ENDS[-1] - STEP_ENDS[-2] - scoring  # reward to reward: the RL step
         RECORDS[step]["live_array_bytes"] = sum(x.nbytes for x in jax.live_arrays())  # what the process holds
         RECORDS[step]["rss_bytes"] = resident_bytes()
         for listener in STEP_LISTENERS:
@@ -87,7 +91,14 @@ def resident_bytes() -> int | None:
 
 
 class MeasuredRollout(MtpRollout):
-    """MtpRollout that records, per `generate`, its seconds, the refresh's seconds before it, and the drafts."""
+    """MtpRollout that records, per `generate`, its seconds, the refresh's seconds before it, the drafts, and both
+    heads' agreement with the policy on `score_rows` of its rollouts (`score_heads`; 0: none)."""
+
+    def __init__(self, *args, score_rows: int = 8, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.score_rows = score_rows
+        self.score_draws = np.random.default_rng(1)  # which rollouts are scored
+        self.shipped_head = split_trainable(self.decode_model)[1]  # the head as loaded, before any refresh
 
     def generate(self, prompts, rollout_config, **kwargs):
         refresh_before, start = self.seconds["refresh"], time.perf_counter()
@@ -101,8 +112,24 @@ class MeasuredRollout(MtpRollout):
             "tokens_per_second": tokens / max(wall - refresh, 1e-9),
             "first_draft_acceptance": stats["accepted_at"][0] / reached if reached else None,
             "tokens_per_round": stats["emitted"] / max(stats["row_rounds"], 1),
+            **(self.score_heads() if self.score_rows else {}),
         })  # fmt: skip
         return out
+
+    def score_heads(self) -> dict:
+        """Teacher-forced on `score_rows` of the last rollouts, under the trunk that sampled them: the first draft's
+        expected acceptance at temperature 1 and its argmax agreement (`draft_agreement`), for the head that drafted
+        them and for the shipped head, with the seconds this took (left out of the step's)."""
+        start = time.perf_counter()
+        model = self.decode_model
+        batch = rollout_batch(model, *sample_rows(self.last_rollouts, self.score_rows, self.score_draws))
+        heads = {"head": model, "shipped_head": with_head(model, self.shipped_head)}
+        record = {}
+        for name, scored in heads.items():
+            agreement = draft_agreement(scored, batch)
+            record[f"{name}_expected_acceptance"] = agreement["expected"][0]
+            record[f"{name}_argmax_acceptance"] = agreement["argmax"][0]
+        return {**record, "score_seconds": time.perf_counter() - start}
 
 
 def arguments(argv) -> argparse.Namespace:
@@ -115,14 +142,17 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--num-draft", type=int, default=2)
     parser.add_argument("--refresh-steps", type=int, default=1)
     parser.add_argument("--refresh-rows", type=int, default=4, help="rollouts a refresh reads (of those of a step)")
+    parser.add_argument("--score-rows", type=int, default=8,
+                        help="rollouts a step scores both heads on, teacher-forced (0: no scoring)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-6)
     parser.add_argument("--out", required=True, help="JSON lines, one per RL step, each written as the step ends")
     args = parser.parse_args(argv)
     counts = ("steps", "prompts_per_step", "max_tokens", "refresh_steps", "refresh_rows")
     for name in (n for n in counts if getattr(args, n) < 1):
         parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.generations < 2 or args.num_draft < 1 or not args.lr > 0:
-        parser.error("--generations must be >= 2 (GRPO compares answers), --num-draft >= 1 and --lr > 0")
+    if args.generations < 2 or args.num_draft < 1 or args.score_rows < 0 or not args.lr > 0:
+        parser.error("--generations must be >= 2 (GRPO compares answers), --num-draft >= 1, --score-rows >= 0 "
+                     "and --lr > 0")  # fmt: skip
     return args
 
 
@@ -137,11 +167,13 @@ def run(
     refresh_rows: int = 4,
     lr: float = 3e-6,
     on_step=None,
+    score_rows: int = 8,
 ) -> list[dict]:
     """`steps` GRPO steps on the default model with rollouts of `mode` ("refresh", "frozen" or "plain"): one record
     a step (its rollouts' first-draft acceptance, tokens a round, tokens/s, the refresh's seconds, mean reward, the
-    step's seconds from the last step's reward to its own: the first holds the set-up, the bytes of the arrays alive
-    and the process's resident memory at its end), each also passed to `on_step` as the step ends."""
+    step's seconds from the last step's reward to its own, less the scoring's: the first holds the set-up, the bytes of
+    the arrays alive and the process's resident memory at its end; both heads' scores on `score_rows` of its
+    rollouts, `MeasuredRollout.score_heads`), each also passed to `on_step` as the step ends."""
     RECORDS.clear()
     MEAN_REWARDS.clear()
     STEP_ENDS[:] = [time.perf_counter()]
@@ -154,7 +186,8 @@ def run(
     refresh = RefreshConfig(num_steps=2, learning_rate=1e-4) if mode == "refresh" else None
     engine = functools.partial(MeasuredRollout, head=DEFAULT_HEAD, num_draft=0 if mode == "plain" else num_draft,
                                slots=prompts_per_step * generations, refresh=refresh,
-                               refresh_steps=refresh_steps, refresh_rows=refresh_rows)  # fmt: skip
+                               refresh_steps=refresh_steps, refresh_rows=refresh_rows,
+                               score_rows=score_rows)  # fmt: skip
     logging = metrics_logger.MetricsLoggerOptions(log_dir=tempfile.mkdtemp(), flush_every_n_steps=1)
     training = rlc.RLTrainingConfig(actor_optimizer=optax.adamw(lr), eval_every_n_steps=10**9, max_steps=steps,
                                     metrics_logging_options=logging)  # fmt: skip
@@ -190,7 +223,8 @@ def main(argv=None) -> int:
             f.flush()
 
         rows = run(args.mode, args.steps, args.prompts_per_step, args.generations, args.max_tokens, args.num_draft,
-                   args.refresh_steps, args.refresh_rows, args.lr, on_step=write)  # fmt: skip
+                   args.refresh_steps, args.refresh_rows, args.lr, on_step=write,
+                   score_rows=args.score_rows)  # fmt: skip
     print(f"{len(rows)} RL steps in {time.perf_counter() - start:.0f} s; {args.out}", file=sys.stderr)
     return 0
 

@@ -78,7 +78,7 @@ class MtpRollout(base_rollout.BaseRollout):
             raise UserError(f"refresh_rows must be at least 1 (or None for every rollout), got {refresh_rows}")
         self._row_draws = np.random.default_rng(0)  # which rollouts a refresh reads
         self._opt_state = init_refresh(model, refresh) if refresh is not None else None
-        self._last_rollouts = None  # (tokens [B, T], lengths [B], answer starts [B]) on device, for the refresh
+        self._last_rollouts = None  # (tokens [B, T], lengths [B], answer starts [B]) on device: `last_rollouts`
         self._refresh_pending = False
         self.last_refresh: dict = {}  # the last refresh step's loss and per-depth accuracy
         self._key = jax.random.key(0)
@@ -118,8 +118,7 @@ class MtpRollout(base_rollout.BaseRollout):
         logprobs = None
         if rollout_config.return_logprobs:
             logprobs = self._sampled_logprobs(padded, answers, rollout_config.temperature)
-        if self._refresh is not None:
-            self._last_rollouts = rollout_rows(ids, answers)
+        self._last_rollouts = rollout_rows(ids, answers)
         self.seconds["rollout"] += time.perf_counter() - start
         return base_rollout.RolloutOutput(
             text=[self._tokenizer.decode(a.tolist()) for a in answers],
@@ -202,22 +201,17 @@ class MtpRollout(base_rollout.BaseRollout):
         the slots' rebuild: tunix syncs weights where no host transfer is allowed, and both place host values."""
         start = time.perf_counter()
         model = self._model
-        batch = rollout_batch(model, *self._refresh_sample())
+        batch = rollout_batch(model, *sample_rows(self._last_rollouts, self._refresh_rows, self._row_draws))
         for _ in range(self._refresh_steps):
             model, self._opt_state, metrics = refresh_head(model, self._opt_state, batch, self._refresh)
         self.last_refresh = {"loss": float(metrics["loss"]), "acc": np.asarray(metrics["acc"]).tolist()}
         self._model, self._refresh_pending = model, False
         self.seconds["refresh"] += time.perf_counter() - start
 
-    def _refresh_sample(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The last rollouts' rows a refresh reads: `refresh_rows` of them drawn without replacement, or all."""
-        count = self._last_rollouts[0].shape[0]
-        if self._refresh_rows is None or self._refresh_rows >= count:
-            return self._last_rollouts
-        rows = jnp.asarray(np.sort(self._row_draws.choice(count, self._refresh_rows, replace=False)))
-        tokens, lengths, starts = (jnp.take(x, rows, axis=0) for x in self._last_rollouts)
-        width = -(-int(jnp.max(lengths)) // ROW_WIDTH_MULTIPLE) * ROW_WIDTH_MULTIPLE  # the drawn rows' own width
-        return tokens[:, :width], lengths, starts
+    @property
+    def last_rollouts(self) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """The last `generate`'s rollouts on device, as a refresh reads them (`rollout_rows`); None before any."""
+        return self._last_rollouts
 
     def pad_id(self) -> int:
         return self._tokenizer.pad_id()
@@ -260,3 +254,15 @@ def rollout_rows(ids: list[list[int]], answers: list[np.ndarray]) -> tuple[jax.A
     for row, (prompt, answer) in enumerate(zip(ids, answers, strict=True)):
         rows[row, : lengths[row]] = [*prompt, *answer]
     return jnp.asarray(rows), jnp.asarray(lengths, jnp.int32), jnp.asarray([len(p) for p in ids], jnp.int32)
+
+
+def sample_rows(rollouts: tuple[jax.Array, jax.Array, jax.Array], count: int | None, draws: np.random.Generator):
+    """`count` of the rollouts' rows (`rollout_rows`) drawn by `draws` without replacement, cut to their own width (a
+    multiple of ROW_WIDTH_MULTIPLE); all of them when `count` is None or at least their number."""
+    total = rollouts[0].shape[0]
+    if count is None or count >= total:
+        return rollouts
+    rows = jnp.asarray(np.sort(draws.choice(total, count, replace=False)))
+    tokens, lengths, starts = (jnp.take(x, rows, axis=0) for x in rollouts)
+    width = -(-int(jnp.max(lengths)) // ROW_WIDTH_MULTIPLE) * ROW_WIDTH_MULTIPLE
+    return tokens[:, :width], lengths, starts

@@ -16,11 +16,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.training.head_training import Batch, draft_target_index, loss_weights, split_trainable, step_losses
+
+AGREEMENT_OBJECTIVE = "tv"  # 1 - sum min(p, q): what sampled verification at temperature 1 rejects
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +93,27 @@ def _rollout_batch(graphdef, state, tokens, lengths, response_starts) -> Batch:
     hidden, tapped = model.trunk_taps(tokens, positions, model.new_cache(batch, 1), taps)
     hidden, tapped = jax.lax.stop_gradient((hidden, tapped))
     return Batch(tokens=tokens, hidden=hidden, lengths=lengths, loss_start=response_starts, taps=tapped)
+
+
+def draft_agreement(model: CausalLM, batch: Batch, num_steps: int = 1) -> dict:
+    """How well the model's head drafts for its trunk on `batch` (from `rollout_batch`), teacher-forced, per depth
+    [num_steps]: "expected" acceptance of sampled drafts at temperature 1 (1 - the total variation between the trunk's
+    next-token distribution and the head's, both over the draft vocabulary) and "argmax" (the head's argmax is the
+    batch's own next-next token: greedy acceptance on greedy text). Scores a head on answers it did not draft."""
+    graphdef, state = nnx.split(model)
+    rejection, argmax = _agreement(graphdef, state, batch, num_steps)
+    return {"expected": (1.0 - np.asarray(rejection)).tolist(), "argmax": np.asarray(argmax).tolist()}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"))
+def _agreement(graphdef, state, batch: Batch, num_steps: int):
+    model = nnx.merge(graphdef, state)
+    rejection, argmax, _ = step_losses(model, batch, num_steps, draft_target_index(model), AGREEMENT_OBJECTIVE)
+    return rejection, argmax
+
+
+def with_head(model: CausalLM, head: nnx.State) -> CausalLM:
+    """`model`'s trunk with another head of the same shapes (an MTP state from `split_trainable`, e.g. the head as
+    it was before its refreshes)."""
+    graphdef, _, trunk = split_trainable(model)
+    return nnx.merge(graphdef, head, trunk)

@@ -12,12 +12,15 @@ from mtp_jax.bench import rl_plot
 
 
 def records(mode: str, steps: int) -> list[dict]:
-    """Records shaped as `rl_rollouts` writes them (plain runs have no acceptance and no refresh)."""
+    """Records shaped as `rl_rollouts` writes them (plain runs have no acceptance and no refresh; both heads are
+    scored in every mode)."""
     drafts = mode != "plain"
     return [{"mode": mode, "step": step, "mean_reward": 0.1 * step, "rollout_seconds": 10.0,
              "refresh_seconds": 2.0 * step if mode == "refresh" else 0.0, "tokens": 400,
              "tokens_per_second": 40.0 + step, "first_draft_acceptance": 0.4 + 0.01 * step if drafts else None,
-             "tokens_per_round": 1.6 if drafts else 1.0, "step_seconds": 40.0} for step in range(steps)]  # fmt: skip
+             "tokens_per_round": 1.6 if drafts else 1.0, "step_seconds": 40.0,
+             "head_expected_acceptance": 0.7 + 0.02 * step, "shipped_head_expected_acceptance": 0.7 - 0.02 * step,
+             } for step in range(steps)]  # fmt: skip
 
 
 def write(path, rows: list[dict]) -> str:
@@ -33,10 +36,13 @@ def test_each_panel_plots_each_runs_own_values(tmp_path):
 
     axes = rl_plot.plot(runs).axes
     lines = {(ax.get_title(), line.get_label()): line.get_xydata() for ax in axes for line in ax.get_lines()}
-    acceptance, share = rl_plot.PANELS[0][1], rl_plot.PANELS[2][1]
+    acceptance, scored, share = (rl_plot.PANELS[i][0] for i in (0, 1, 3))
     assert {label for title, label in lines if title == acceptance} == {"refresh", "frozen"}  # plain drafts nothing
     assert {label for title, label in lines if title == share} == {"refresh"}
+    assert len([label for title, label in lines if title == scored]) == 6  # both heads, each run
     np.testing.assert_allclose(lines[acceptance, "frozen"], [[s, 0.4 + 0.01 * s] for s in range(5)])
+    np.testing.assert_allclose(lines[scored, "refresh: shipped head"], [[s, 0.7 - 0.02 * s] for s in range(5)])
+    np.testing.assert_allclose(lines[scored, "plain: drafting head"], [[s, 0.7 + 0.02 * s] for s in range(5)])
     np.testing.assert_allclose(lines[share, "refresh"], [[s, 2.0 * s / 40.0] for s in range(1, 5)])  # after set-up
     np.testing.assert_allclose(lines["rollout tokens/s", "plain"], [[s, 40.0 + s] for s in range(5)])
 

@@ -1,7 +1,8 @@
 """`MtpRollout` against tunix's own vanilla rollout on tiny tunix models: greedy answers token for token, sampled
 answers from the same distributions (a two-sample test), log-probabilities against tunix's
-`compute_per_token_logps`, weight syncs that change what is generated and never touch the trainer's model, and a
-head refresh that wins back acceptance after the policy moved."""
+`compute_per_token_logps`, weight syncs that change what is generated and never touch the trainer's model, a head
+refresh that wins back acceptance after the policy moved, and the RL bench's scoring of both heads on one policy's
+answers."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tunix.rl.rollout import base_rollout, vanilla_rollout
 from mtp_jax.rl import tunix_rollout
 from mtp_jax.rl.tunix_rollout import MtpRollout
 from mtp_jax.runtime.errors import UserError
-from mtp_jax.training.head_refresh import RefreshConfig, rollout_batch
+from mtp_jax.training.head_refresh import RefreshConfig, draft_agreement, rollout_batch
 from tests.rl.tunix_support import CharTokenizer, predictable_head, tiny_tunix_model
 
 PROMPTS = ["hello there", "what is 2+2?", "abc", "the quick brown fox jumps over the lazy dog"]  # the last: > 16
@@ -211,3 +212,32 @@ def test_a_refresh_reads_as_many_rollouts_as_it_is_given(policy, monkeypatch):
         assert drawn <= Counter(tuple(a.tolist()) for a in answers)  # rollouts' own rows, none read twice
     with pytest.raises(UserError, match="refresh_rows"):
         ours(policy, refresh=RefreshConfig(), refresh_rows=0)
+
+
+def test_the_rl_bench_scores_the_drafting_and_the_shipped_head_on_the_same_rollouts(policy):
+    from mtp_jax.bench import rl_rollouts
+
+    prompts = [f"{a} {b}" for a in ("one", "two", "three", "four") for b in ("cat", "dog", "sun", "sea")]
+    trainer = moved(policy, amplify=8.0)
+    engine = rl_rollouts.MeasuredRollout(policy, CharTokenizer(), None, rollout_config(0.0), num_draft=2,
+                                         head=predictable_head(policy, noise=0.02), score_rows=len(prompts),
+                                         refresh=RefreshConfig(num_steps=2, learning_rate=3e-3),
+                                         refresh_steps=40)  # fmt: skip
+    rl_rollouts.RECORDS.clear()
+    engine.generate(prompts, rollout_config(1.0, tokens=24, seed=3))
+    with as_tunix_syncs_weights():
+        engine.update_params(nnx.state(trainer, nnx.Param))
+    engine.generate(prompts, rollout_config(1.0, tokens=24, seed=4))  # drafted by the refreshed head
+    before, after = rl_rollouts.RECORDS
+
+    # before any refresh both are the shipped head; after it, the shipped head is scored as a frozen engine has it
+    assert before["head_expected_acceptance"] == before["shipped_head_expected_acceptance"]
+    frozen = ours(policy)
+    with as_tunix_syncs_weights():
+        frozen.update_params(nnx.state(trainer, nnx.Param))
+    batch = rollout_batch(frozen.decode_model, *engine.last_rollouts)
+    shipped = draft_agreement(frozen.decode_model, batch)
+    np.testing.assert_allclose(after["shipped_head_expected_acceptance"], shipped["expected"][0], rtol=1e-5)
+    np.testing.assert_allclose(after["shipped_head_argmax_acceptance"], shipped["argmax"][0], rtol=1e-6)
+    assert after["head_expected_acceptance"] > after["shipped_head_expected_acceptance"] + 0.05, after  # 0.88, 0.78
+    assert after["score_seconds"] > 0 and 0 < after["first_draft_acceptance"] <= 1
