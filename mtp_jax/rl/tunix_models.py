@@ -9,6 +9,10 @@ Rotary embeddings: tunix 0.1.7's Llama3 and Qwen3 attentions call `apply_rope` w
 so their forward uses that function's default base, 1e6, whatever the config says (Qwen2 passes its own). The
 mapped model takes the base tunix's forward uses (`forward_rope_theta`), so that it decodes the policy tunix trains;
 tests/rl/test_tunix_models.py holds the two forwards equal on configs whose `rope_theta` is not 1e6.
+
+LoRA: a policy tunix trains through qwix holds, next to each adapted weight W, adapters `<name>_lora_a` A and
+`<name>_lora_b` B (`nnx.LoRAParam`); qwix's forward adds (x A) B * alpha / rank to x W. The mapped model holds each
+such weight merged, W + (A B) * alpha / rank (`merged_weight`), so that it decodes what qwix's forward computes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 import sys
 
 import jax
@@ -47,11 +52,21 @@ FAMILIES = {
 }
 
 
+# the weights of tunix's models whose LoRA adapters the mapped model merges (dotted paths in the model)
+LORA_TARGETS = re.compile(r"layers\.\d+\.(attn\.[qkvo]_proj\.w|mlp\.(gate|up|down)_proj\.kernel)|lm_head\.w")
+
+
+def tunix_class(model: nnx.Module) -> type:
+    """tunix's own class of `model`: its type, or the tunix model class it derives from (qwix's LoRA wraps a model
+    in a subclass of its own)."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in FAMILIES and cls.__module__.startswith("tunix.models."):
+            return cls
+    raise UserError(f"a tunix {type(model).__name__} model cannot be mapped: only tunix's {', '.join(FAMILIES)} are")
+
+
 def tunix_family(model: nnx.Module) -> TunixFamily:
-    name = type(model).__name__
-    if name not in FAMILIES or not type(model).__module__.startswith("tunix.models."):
-        raise UserError(f"a tunix {name} model cannot be mapped: only tunix's {', '.join(FAMILIES)} are")
-    return FAMILIES[name]
+    return FAMILIES[tunix_class(model).__name__]
 
 
 def forward_rope_theta(model: nnx.Module) -> float:
@@ -59,7 +74,7 @@ def forward_rope_theta(model: nnx.Module) -> float:
     uses: that function's default, or the `rope_theta` of a `functools.partial` put in its place (how to run such a
     model at its checkpoint's base: `tunix.models.llama3.model.apply_rope = functools.partial(apply_rope,
     rope_theta=...)`)."""
-    rope = sys.modules[type(model).__module__].apply_rope
+    rope = sys.modules[tunix_class(model).__module__].apply_rope
     if isinstance(rope, functools.partial) and "rope_theta" in rope.keywords:
         return float(rope.keywords["rope_theta"])
     return float(inspect.signature(rope).parameters["rope_theta"].default)
@@ -93,51 +108,95 @@ def trunk_config(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int
     return model_config_from_hf(hf)
 
 
-def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype) -> dict[tuple[str, ...], jax.Array]:
-    """tunix `model`'s parameters at this project's paths for `cfg` (`trunk_config`), in `dtype`: jax arrays made
-    on the devices that hold tunix's (traceable: no host transfer)."""
+def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype,
+                 lora_alpha: float | None = None) -> dict[tuple[str, ...], jax.Array]:  # fmt: skip
+    """tunix `model`'s parameters at this project's paths for `cfg` (`trunk_config`), in `dtype`, LoRA adapters
+    merged with `lora_alpha` (the alpha of the qwix LoraProvider that made them; needed when there are any): jax
+    arrays made on the devices that hold tunix's (traceable: no host transfer)."""
     tunix_family(model)
+    adapted = lora_adapters(model)
+    unmapped = [path for path in adapted if not LORA_TARGETS.fullmatch(path)]
+    if unmapped:
+        raise UserError(f"LoRA adapters on {', '.join(unmapped[:3])} are not merged: only those on the attention "
+                        "and MLP projections and the lm_head are")  # fmt: skip
+    if adapted and lora_alpha is None:
+        raise UserError("tunix's model holds LoRA adapters: give lora_alpha, the alpha of the qwix LoraProvider "
+                        "that made them (each adapter is scaled by alpha / its rank)")  # fmt: skip
     layers = list(model.layers)
     n, h, k = cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
 
-    def stacked(get, shape=None) -> jax.Array:
-        arrays = [get(layer)[...] for layer in layers]
-        out = jnp.stack([a if shape is None else a.reshape(shape) for a in arrays])
-        return out.astype(dtype)
+    def weight(module: nnx.Module, name: str) -> jax.Array:
+        return merged_weight(module, name, lora_alpha).astype(dtype)
+
+    def stacked(get, name: str, shape=None) -> jax.Array:
+        arrays = [weight(get(layer), name) for layer in layers]
+        return jnp.stack([a if shape is None else a.reshape(shape) for a in arrays])
 
     prefix = ("segments", "0", "layers")
     flat = {
-        ("embed",): model.embedder.input_embedding[...].astype(dtype),
-        ("final_norm", "scale"): model.final_norm.w[...].astype(dtype),
-        (*prefix, "input_norm", "scale"): stacked(lambda layer: layer.input_layernorm.w),
-        (*prefix, "post_attention_norm", "scale"): stacked(lambda layer: layer.post_attention_layernorm.w),
-        (*prefix, "attn", "q_proj"): stacked(lambda layer: layer.attn.q_proj.w),
-        (*prefix, "attn", "k_proj"): stacked(lambda layer: layer.attn.k_proj.w),
-        (*prefix, "attn", "v_proj"): stacked(lambda layer: layer.attn.v_proj.w),
-        (*prefix, "attn", "o_proj"): stacked(lambda layer: layer.attn.o_proj.w),
-        (*prefix, "mlp", "gate_proj"): stacked(lambda layer: layer.mlp.gate_proj.kernel),
-        (*prefix, "mlp", "up_proj"): stacked(lambda layer: layer.mlp.up_proj.kernel),
-        (*prefix, "mlp", "down_proj"): stacked(lambda layer: layer.mlp.down_proj.kernel),
+        ("embed",): weight(model.embedder, "input_embedding"),
+        ("final_norm", "scale"): weight(model.final_norm, "w"),
+        (*prefix, "input_norm", "scale"): stacked(lambda layer: layer.input_layernorm, "w"),
+        (*prefix, "post_attention_norm", "scale"): stacked(lambda layer: layer.post_attention_layernorm, "w"),
+        (*prefix, "attn", "q_proj"): stacked(lambda layer: layer.attn.q_proj, "w"),
+        (*prefix, "attn", "k_proj"): stacked(lambda layer: layer.attn.k_proj, "w"),
+        (*prefix, "attn", "v_proj"): stacked(lambda layer: layer.attn.v_proj, "w"),
+        (*prefix, "attn", "o_proj"): stacked(lambda layer: layer.attn.o_proj, "w"),
+        (*prefix, "mlp", "gate_proj"): stacked(lambda layer: layer.mlp.gate_proj, "kernel"),
+        (*prefix, "mlp", "up_proj"): stacked(lambda layer: layer.mlp.up_proj, "kernel"),
+        (*prefix, "mlp", "down_proj"): stacked(lambda layer: layer.mlp.down_proj, "kernel"),
     }
     if not cfg.tie_word_embeddings:
-        flat[("lm_head",)] = model.lm_head.w[...].astype(dtype)
+        flat[("lm_head",)] = weight(model.lm_head, "w")
     if cfg.qkv_bias:
-        flat[(*prefix, "attn", "q_bias")] = stacked(lambda layer: layer.attn.q_bias, (n, h))
-        flat[(*prefix, "attn", "k_bias")] = stacked(lambda layer: layer.attn.k_bias, (k, h))
-        flat[(*prefix, "attn", "v_bias")] = stacked(lambda layer: layer.attn.v_bias, (k, h))
+        flat[(*prefix, "attn", "q_bias")] = stacked(lambda layer: layer.attn, "q_bias", (n, h))
+        flat[(*prefix, "attn", "k_bias")] = stacked(lambda layer: layer.attn, "k_bias", (k, h))
+        flat[(*prefix, "attn", "v_bias")] = stacked(lambda layer: layer.attn, "v_bias", (k, h))
     if cfg.qk_norm:
-        flat[(*prefix, "attn", "q_norm", "scale")] = stacked(lambda layer: layer.attn.q_norm.w)
-        flat[(*prefix, "attn", "k_norm", "scale")] = stacked(lambda layer: layer.attn.k_norm.w)
+        flat[(*prefix, "attn", "q_norm", "scale")] = stacked(lambda layer: layer.attn.q_norm, "w")
+        flat[(*prefix, "attn", "k_norm", "scale")] = stacked(lambda layer: layer.attn.k_norm, "w")
     return flat
 
 
+def lora_adapters(model: nnx.Module) -> list[str]:
+    """The dotted paths of tunix `model`'s weights that hold a qwix LoRA adapter (none without LoRA)."""
+    paths = (".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+    return sorted({path.rsplit("_lora_", 1)[0] for path in paths})
+
+
+def merged_weight(module: nnx.Module, name: str, lora_alpha: float | None) -> jax.Array:
+    """`module`'s weight `name` W, with its qwix LoRA adapter merged in when it has one: W + (A B) * alpha / rank.
+    qwix makes A [the dims of W the input contracts, rank] and B [rank, W's other dims] (for a dot_general weight
+    each side flattened to one dim); tunix's projections lead with the contracted dims (q/k/v [D, N, H], o
+    [N, H, D], MLP [in, out], lm_head [D, V]), so A [C, rank] @ B [rank, O] reshaped is in W's layout."""
+    w = getattr(module, name)[...]
+    lora_a, lora_b = getattr(module, f"{name}_lora_a", None), getattr(module, f"{name}_lora_b", None)
+    if lora_a is None or lora_b is None:
+        return w
+    return lora_merged(w, lora_a[...], lora_b[...], scale=lora_alpha / lora_a.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def lora_merged(w: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale: float) -> jax.Array:
+    """W + (A B) * `scale` in float32 at full matmul precision, A [C..., r] and B [r, O...] flattened to [C, r] and
+    [r, O], their product reshaped to W's [C..., O...]. Compiled, so that the scale is no host transfer (tunix syncs
+    weights where none is allowed)."""
+    rank = lora_a.shape[-1]
+    a = lora_a.reshape(-1, rank).astype(jnp.float32)  # [C, r]
+    b = lora_b.reshape(rank, -1).astype(jnp.float32)  # [r, O]
+    delta = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST).reshape(w.shape)  # [C..., O...]
+    return w.astype(jnp.float32) + delta * scale
+
+
 def causal_lm_from_tunix(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int, dtype=jnp.float32,
-                         head: CausalLM | None = None, mesh: jax.sharding.Mesh | None = None) -> CausalLM:  # fmt: skip
-    """tunix `model`'s trunk as a `CausalLM` in `dtype`, with the MTP head (and draft vocabulary) of `head`, a
-    `CausalLM` of the same trunk shape, when given; laid out on `mesh` by `rollout_rules`, or without one (or on a
-    one-device mesh) on the device holding tunix's embedding."""
+                         head: CausalLM | None = None, mesh: jax.sharding.Mesh | None = None,
+                         lora_alpha: float | None = None) -> CausalLM:  # fmt: skip
+    """tunix `model`'s trunk as a `CausalLM` in `dtype` (LoRA adapters merged with `lora_alpha`: `trunk_params`),
+    with the MTP head (and draft vocabulary) of `head`, a `CausalLM` of the same trunk shape, when given; laid out
+    on `mesh` by `rollout_rules`, or without one (or on a one-device mesh) on the device holding tunix's
+    embedding."""
     cfg = trunk_config(model, eos_token_ids, context)
-    flat = trunk_params(model, cfg, dtype)
+    flat = trunk_params(model, cfg, dtype, lora_alpha)
     if head is not None:
         if trunk_fingerprint(head.config) != trunk_fingerprint(cfg):
             theirs, ours = trunk_fingerprint(head.config), trunk_fingerprint(cfg)

@@ -11,9 +11,10 @@ rejection sampling keeps every token's distribution the policy's, so tokens and 
 own sampler gives, in distribution: prompts tokenized and left-padded as its sampler does, completions cut before
 the first EOS, log-probabilities of the sampled tokens under the tempered distribution they were drawn from.
 
-`update_params` (tunix's weight sync after each policy step) maps the trainer's parameters again; with `refresh`,
-the head then takes `refresh_steps` optimizer steps (training/head_refresh.py) on the last rollouts under the new
-trunk, before the next rollouts. The policy's parameters are never changed here.
+`update_params` (tunix's weight sync after each policy step) maps the trainer's parameters again (for a LoRA
+policy, tunix syncs its adapters alone, merged into the mapped trunk: rl/tunix_models.py); with `refresh`, the head
+then takes `refresh_steps` optimizer steps (training/head_refresh.py) on the last rollouts under the new trunk,
+before the next rollouts. The policy's parameters are never changed here.
 """
 
 from __future__ import annotations
@@ -45,28 +46,33 @@ class MtpRollout(base_rollout.BaseRollout):
     (`train_head`'s output) or a `CausalLM` holding one, for tunix's trunk; None decodes plainly. `num_draft`: drafts
     a round; `slots`: rows decoded at once; `refresh`: keep the head fresh, `refresh_steps` optimizer steps at each
     weight sync on `refresh_rows` of the last rollouts (drawn afresh each sync; None: all of them; the refresh's
-    trunk pass costs in proportion); `dtype`: the rollout model's."""
+    trunk pass costs in proportion); `dtype`: the rollout model's; `lora_alpha`: for a policy with qwix LoRA
+    adapters, its LoraProvider's alpha (each adapter is merged scaled by alpha / its rank)."""
 
     def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh: jax.sharding.Mesh | None,
                  rollout_config: base_rollout.RolloutConfig, *, head: str | CausalLM | None = None,
                  num_draft: int = 3, slots: int = 8, refresh: RefreshConfig | None = None, refresh_steps: int = 1,
-                 refresh_rows: int | None = None, dtype=jnp.float32):  # fmt: skip
+                 refresh_rows: int | None = None, dtype=jnp.float32, lora_alpha: float | None = None):  # fmt: skip
         if not isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter):  # as tunix's sampler takes them
             tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
         self._tokenizer = tokenizer
         self._eos = tuple(int(t) for t in (rollout_config.eos_tokens or [tokenizer.eos_id()]))
         self._context = max(rollout_config.kv_cache_size,
                             rollout_config.max_prompt_length + rollout_config.max_tokens_to_generate)  # fmt: skip
-        self._dtype, self._mesh = dtype, mesh
+        self._dtype, self._mesh, self._lora_alpha = dtype, mesh, lora_alpha
         # tunix's learner syncs weights only when `model()` holds other arrays than the trainer's (colocated, tunix
-        # hands over the trainer's own model): a copy until the first sync, then the synced parameters.
-        graphdef, state = nnx.split(rollout_actor)
-        self._actor = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-        model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, dtype, mesh=mesh)
+        # hands over the trainer's own model): a copy of what the trainer trains (a LoRA policy's adapters, its frozen
+        # trunk shared; else all of it) until the first sync, then the synced parameters.
+        graphdef, adapters, rest = nnx.split(rollout_actor, nnx.LoRAParam, ...)
+        if not jax.tree.leaves(adapters):
+            rest = jax.tree.map(jnp.copy, rest)
+        self._actor = nnx.merge(graphdef, jax.tree.map(jnp.copy, adapters), rest)
+        mapped = {"dtype": dtype, "mesh": mesh, "lora_alpha": lora_alpha}
+        model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, **mapped)
         if isinstance(head, str):
             model = attach_head(model, head)
         elif head is not None:
-            model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, dtype, head=head, mesh=mesh)
+            model = causal_lm_from_tunix(rollout_actor, self._eos, self._context, head=head, **mapped)
         self._model = model
         self._decode_config = DecodeConfig(num_draft=num_draft if model.config.has_mtp else 0)
         self._slots = slots
@@ -181,17 +187,20 @@ class MtpRollout(base_rollout.BaseRollout):
         return sequence_logps(self._model, rows, starts, completion_tokens.shape[1], temperature)
 
     def update_params(self, params, filter_types=None) -> None:
-        """Take the trainer's parameters (tunix's nnx state of the actor, all of them or the `filter_types` ones):
-        the trunk is mapped again and, with `refresh`, the head takes its refresh steps under it."""
-        if filter_types is not None and any(t is not nnx.Param for t in filter_types):
-            raise UserError(f"MtpRollout syncs full parameters (nnx.Param), not {filter_types}: merge LoRA first")
+        """Take the trainer's parameters (tunix's nnx state of the actor, all of them or the `filter_types` ones:
+        nnx.Param, or nnx.LoRAParam for a LoRA policy's adapters): the trunk is mapped again, adapters merged, and,
+        with `refresh`, the head takes its refresh steps under it."""
+        if filter_types is not None and any(t not in (nnx.Param, nnx.LoRAParam) for t in filter_types):
+            raise UserError(f"MtpRollout syncs parameters (nnx.Param) or LoRA adapters (nnx.LoRAParam), not "
+                            f"{filter_types}")  # fmt: skip
         start = time.perf_counter()
         graphdef, state = nnx.split(self._actor)
         actor = nnx.merge(graphdef, state)  # new Variables: the trainer's own model is not touched
         nnx.update(actor, params)
         self._actor = actor
         head = self._model if self._model.config.has_mtp else None
-        model = causal_lm_from_tunix(actor, self._eos, self._context, self._dtype, head=head, mesh=self._mesh)
+        model = causal_lm_from_tunix(actor, self._eos, self._context, self._dtype, head=head, mesh=self._mesh,
+                                     lora_alpha=self._lora_alpha)  # fmt: skip
         self._model, self._engine = model, None  # the slots are rebuilt at the next generate
         self._refresh_pending = self._refresh is not None and self._last_rollouts is not None
         self.seconds["sync"] += time.perf_counter() - start
