@@ -56,7 +56,8 @@ def plot(runs: dict[str, list[dict]]) -> Figure:
 
 
 def read_run(path: str) -> tuple[str, list[dict]]:
-    """(the run's mode, its records) from a JSON-lines file of `rl_rollouts`; ValueError naming what is wrong."""
+    """(the run's mode, its steps' records) from a JSON-lines file of `rl_rollouts` (its end-of-run comparison, a
+    record of its own, left out); ValueError naming what is wrong."""
     try:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -64,6 +65,7 @@ def read_run(path: str) -> tuple[str, list[dict]]:
         raise ValueError(f"{path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON lines ({e.msg}, line {e.lineno})") from None
+    rows = [row for row in rows if not (isinstance(row, dict) and "end_of_run" in row)]
     needed = {"mode", "step", "refresh_seconds", "tokens_per_second", "mean_reward"}
     if not rows or any(not isinstance(row, dict) or needed - row.keys() for row in rows):
         raise ValueError(f"{path}: expected python -m mtp_jax.bench.rl_rollouts records ({', '.join(sorted(needed))})")

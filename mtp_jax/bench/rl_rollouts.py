@@ -2,7 +2,9 @@
 rollouts through `MtpRollout` with the shipped head frozen or refreshed at each weight sync, or plain (no drafts);
 per RL step, the rollouts' first-draft acceptance, tokens/s and the refresh's cost, as JSON lines. Each step also
 scores, teacher-forced on a few of its own rollouts under the policy that sampled them, both the head that drafted
-them and the shipped head as it was before any refresh: the two heads compared on one policy's answers.
+them and the shipped head as it was before any refresh: the two heads compared on one policy's answers. At the end
+of a run with drafts, the last policy's rollouts with the head's drafts and without are timed alternately on the same
+prompts (`compare_with_plain`), written as one more JSON line ({"mode", "end_of_run": {...}}).
 
 The task has a checkable answer: "What is A times B?", asked for a final "Answer: N" line; the reward is 1 for the
 right product on that line, 0.5 for the right product elsewhere in the answer, 0.1 for the line with another
@@ -12,6 +14,7 @@ number (a 135M model rarely keeps the format at first). Needs the `rl` extra (tu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -144,15 +147,18 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--refresh-rows", type=int, default=4, help="rollouts a refresh reads (of those of a step)")
     parser.add_argument("--score-rows", type=int, default=8,
                         help="rollouts a step scores both heads on, teacher-forced (0: no scoring)")  # fmt: skip
+    parser.add_argument("--compare-repeats", type=int, default=3,
+                        help="at the end, timed rollouts of the last policy with drafts and without, each this many "
+                             "times (0: none)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=3e-6)
     parser.add_argument("--out", required=True, help="JSON lines, one per RL step, each written as the step ends")
     args = parser.parse_args(argv)
     counts = ("steps", "prompts_per_step", "max_tokens", "refresh_steps", "refresh_rows")
     for name in (n for n in counts if getattr(args, n) < 1):
         parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.generations < 2 or args.num_draft < 1 or args.score_rows < 0 or not args.lr > 0:
-        parser.error("--generations must be >= 2 (GRPO compares answers), --num-draft >= 1, --score-rows >= 0 "
-                     "and --lr > 0")  # fmt: skip
+    if args.generations < 2 or args.num_draft < 1 or min(args.score_rows, args.compare_repeats) < 0 or args.lr <= 0:
+        parser.error("--generations must be >= 2 (GRPO compares answers), --num-draft >= 1, --score-rows and "
+                     "--compare-repeats >= 0, and --lr > 0")  # fmt: skip
     return args
 
 
@@ -168,12 +174,14 @@ def run(
     lr: float = 3e-6,
     on_step=None,
     score_rows: int = 8,
+    compare_repeats: int = 0,
 ) -> list[dict]:
     """`steps` GRPO steps on the default model with rollouts of `mode` ("refresh", "frozen" or "plain"): one record
     a step (its rollouts' first-draft acceptance, tokens a round, tokens/s, the refresh's seconds, mean reward, the
     step's seconds from the last step's reward to its own, less the scoring's: the first holds the set-up, the bytes of
     the arrays alive and the process's resident memory at its end; both heads' scores on `score_rows` of its
-    rollouts, `MeasuredRollout.score_heads`), each also passed to `on_step` as the step ends."""
+    rollouts, `MeasuredRollout.score_heads`), each also passed to `on_step` as the step ends; with drafts and
+    `compare_repeats`, `compare_with_plain`'s record of the last policy is passed to `on_step` last."""
     RECORDS.clear()
     MEAN_REWARDS.clear()
     STEP_ENDS[:] = [time.perf_counter()]
@@ -209,8 +217,42 @@ def run(
         )
     finally:
         STEP_LISTENERS.clear()
+    if mode != "plain" and compare_repeats and on_step is not None:
+        last = [chat[i % prompts_per_step] for i in range(prompts_per_step * generations)]  # as a step's rows
+        end = compare_with_plain(cluster.rollout, tokenizer, last, rollouts, num_draft, compare_repeats)
+        on_step({"mode": mode, "end_of_run": end})
     return [{"step": step, "mode": mode, "mean_reward": mean_reward, **record}
             for step, (record, mean_reward) in enumerate(zip(RECORDS, MEAN_REWARDS, strict=False))]  # fmt: skip
+
+
+def compare_with_plain(rollout: MtpRollout, tokenizer, prompts: list[str], config: base_rollout.RolloutConfig,
+                       num_draft: int, repeats: int) -> dict:  # fmt: skip
+    """The policy `rollout` decodes now, sampled on `prompts` through two engines of as many slots, one drafting
+    `num_draft` a round with `rollout`'s head as it is, one plain; a warm-up call each, then `repeats` calls each in
+    turn (seeded alike, the order swapped each time): tokens/s of each over its timed calls, and the drafts'."""
+    actor, slots = rollout.model(), len(prompts)
+    engines = {"drafting": MtpRollout(actor, tokenizer, None, config, head=rollout.decode_model,
+                                      num_draft=num_draft, slots=slots),
+               "plain": MtpRollout(actor, tokenizer, None, config, num_draft=0, slots=slots)}  # fmt: skip
+    totals = {name: [0, 0.0] for name in engines}  # tokens, seconds
+    accepted = reached = rounds = emitted = 0
+    for call in range(repeats + 1):
+        for name in sorted(engines, reverse=call % 2 == 1):
+            start = time.perf_counter()
+            out = engines[name].generate(prompts, dataclasses.replace(config, seed=call))
+            seconds = time.perf_counter() - start
+            if call == 0:
+                continue  # the warm-up: its programs compile
+            totals[name][0] += sum(len(t) for t in out.tokens)
+            totals[name][1] += seconds
+            if name == "drafting":
+                stats = engines[name].last_stats
+                accepted, reached = accepted + stats["accepted_at"][0], reached + stats["reached"][0]
+                rounds, emitted = rounds + stats["row_rounds"], emitted + stats["emitted"]
+    speed = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+    return {"drafting_tokens_per_second": speed["drafting"], "plain_tokens_per_second": speed["plain"],
+            "speedup": speed["drafting"] / speed["plain"], "first_draft_acceptance": accepted / max(reached, 1),
+            "tokens_per_round": emitted / max(rounds, 1), "repeats": repeats, "rows": slots}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -224,7 +266,7 @@ def main(argv=None) -> int:
 
         rows = run(args.mode, args.steps, args.prompts_per_step, args.generations, args.max_tokens, args.num_draft,
                    args.refresh_steps, args.refresh_rows, args.lr, on_step=write,
-                   score_rows=args.score_rows)  # fmt: skip
+                   score_rows=args.score_rows, compare_repeats=args.compare_repeats)  # fmt: skip
     print(f"{len(rows)} RL steps in {time.perf_counter() - start:.0f} s; {args.out}", file=sys.stderr)
     return 0
 

@@ -30,7 +30,11 @@ def write(path, rows: list[dict]) -> str:
 
 def test_each_panel_plots_each_runs_own_values(tmp_path):
     runs = {mode: records(mode, 5) for mode in ("refresh", "frozen", "plain")}
-    paths = [write(tmp_path / f"{mode}.jsonl", rows) for mode, rows in runs.items()]
+    end = {"mode": "refresh", "end_of_run": {"speedup": 1.1}}  # the run's last line: not a step
+    paths = [
+        write(tmp_path / f"{mode}.jsonl", rows + ([end] if mode == "refresh" else [])) for mode, rows in runs.items()
+    ]
+    assert rl_plot.read_run(paths[0]) == ("refresh", runs["refresh"])
     assert rl_plot.main([*paths, "--out", str(tmp_path / "runs.png")]) == 0
     assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

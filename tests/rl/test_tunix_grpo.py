@@ -69,7 +69,10 @@ def test_grpo_trains_the_policy_through_mtp_rollouts(tmp_path):
     assert rollout.last_stats["drafted"] > 0 and rollout.last_stats["accepted"] > 0
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--generations", "1"], ["--lr", "0"], ["--score-rows", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--steps", "0"], ["--generations", "1"], ["--lr", "0"], ["--score-rows", "-1"], ["--compare-repeats", "-1"]],
+)
 def test_the_rl_bench_refuses_bad_settings_in_one_line(argv, capsys, tmp_path):
     from mtp_jax.bench.rl_rollouts import main
 

@@ -241,3 +241,14 @@ def test_the_rl_bench_scores_the_drafting_and_the_shipped_head_on_the_same_rollo
     np.testing.assert_allclose(after["shipped_head_argmax_acceptance"], shipped["argmax"][0], rtol=1e-6)
     assert after["head_expected_acceptance"] > after["shipped_head_expected_acceptance"] + 0.05, after  # 0.88, 0.78
     assert after["score_seconds"] > 0 and 0 < after["first_draft_acceptance"] <= 1
+
+
+def test_the_rl_bench_times_the_last_policy_with_drafts_and_without(policy):
+    from mtp_jax.bench import rl_rollouts
+
+    prompts = [f"{a} {b}" for a in ("one", "two", "three", "four") for b in ("cat", "dog", "sun", "sea")]
+    engine = ours(policy)
+    end = rl_rollouts.compare_with_plain(engine, CharTokenizer(), prompts, rollout_config(1.0, tokens=24), 2, 2)
+    assert (end["rows"], end["repeats"]) == (len(prompts), 2)
+    assert end["speedup"] == pytest.approx(end["drafting_tokens_per_second"] / end["plain_tokens_per_second"])
+    assert 0.3 < end["first_draft_acceptance"] <= 1 and end["tokens_per_round"] > 1.3, end  # the near-bigram head
