@@ -8,7 +8,16 @@ Adding a family = its module in mtp_jax/families/ plus its name on the import li
 from __future__ import annotations
 
 from mtp_jax.config.model import ModelConfig
-from mtp_jax.families import deepseek_v3, glm4_moe, llama, mimo, qwen2, qwen3, qwen_hybrid  # noqa: F401 (registers)
+from mtp_jax.families import (  # noqa: F401 (registers)
+    deepseek_v3,
+    glm4_moe,
+    llama,
+    mimo,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    qwen_hybrid,
+)
 from mtp_jax.families.base import REGISTERED, Family
 from mtp_jax.families.common import check_field_types
 from mtp_jax.runtime.errors import ConversionError

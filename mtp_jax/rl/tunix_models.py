@@ -1,5 +1,5 @@
-"""tunix's dense trunks (its Llama3, Qwen2 and Qwen3 nnx models) as this project's `CausalLM`: the config, and the
-parameters mapped on device (one stack per weight kind; no host copy of the model).
+"""tunix's trunks (its Llama3, Qwen2 and Qwen3 nnx models, Qwen3 dense or routed) as this project's `CausalLM`: the
+config, and the parameters mapped on device (one stack per weight kind; no host copy of the model).
 
 Both sides hold projections in the same einsum layouts (q [D, N, H], k/v [D, K, H], o [N, H, D], MLP kernels
 [in, out], the embedding [V, D], an untied lm_head [D, V]); this project stacks a segment's layers on a leading axis,
@@ -9,6 +9,12 @@ Rotary embeddings: tunix 0.1.7's Llama3 and Qwen3 attentions call `apply_rope` w
 so their forward uses that function's default base, 1e6, whatever the config says (Qwen2 passes its own). The
 mapped model takes the base tunix's forward uses (`forward_rope_theta`), so that it decodes the policy tunix trains;
 tests/rl/test_tunix_models.py holds the two forwards equal on configs whose `rope_theta` is not 1e6.
+
+tunix's Qwen3 with `num_experts` set is routed (Qwen3-30B-A3B's form): a `MoELayer` in every layer in place of the
+MLP, mapped onto this project's `qwen3_moe` family (softmax-routed experts, models/softmax_moe.py). The layouts are
+the same: router kernel [D, E], experts gate and up [E, D, F], down [E, F, D] (F: tunix's `hidden_dim`). tunix's
+routing is transformers' Qwen3-MoE with `norm_topk_prob` true (tunix's config has no such switch): softmax over the
+router logits (float32), the top `num_experts_per_tok`, always renormalised to sum 1; the mapped model routes so.
 
 LoRA: a policy tunix trains through qwix holds, next to each adapted weight W, adapters `<name>_lora_a` A and
 `<name>_lora_b` B (`nnx.LoRAParam`); qwix's forward adds (x A) B * alpha / rank to x W. The mapped model holds each
@@ -52,8 +58,10 @@ FAMILIES = {
 }
 
 
-# the weights of tunix's models whose LoRA adapters the mapped model merges (dotted paths in the model)
-LORA_TARGETS = re.compile(r"layers\.\d+\.(attn\.[qkvo]_proj\.w|mlp\.(gate|up|down)_proj\.kernel)|lm_head\.w")
+# the weights of tunix's models whose LoRA adapters the mapped model merges (dotted paths in the model): not a routed
+# Qwen3's experts (qwix adapts modules, and the experts are parameters of the MoELayer; its router is a module)
+LORA_TARGETS = re.compile(r"layers\.\d+\.(attn\.[qkvo]_proj\.w|mlp\.(gate|up|down)_proj\.kernel|mlp\.router\.kernel)"
+                          r"|lm_head\.w")  # fmt: skip
 
 
 def tunix_class(model: nnx.Module) -> type:
@@ -84,8 +92,6 @@ def trunk_config(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int
     """This project's config of tunix `model`'s trunk (no MTP layer), stopping at `eos_token_ids`, holding
     `context` positions."""
     family, cfg = tunix_family(model), model.config
-    if getattr(cfg, "num_experts", None):
-        raise UserError("tunix's routed-expert Qwen3 is not mapped: only its dense configs are")
     rope_theta = forward_rope_theta(model) if family.forward_ignores_rope_theta else float(cfg.rope_theta)
     hf = {
         "model_type": family.model_type,
@@ -105,7 +111,19 @@ def trunk_config(model: nnx.Module, eos_token_ids: tuple[int, ...], context: int
     }
     if family.model_type == "qwen2":
         hf["attention_bias"] = True
+    if getattr(cfg, "num_experts", None):
+        hf.update(routed_fields(cfg))
     return model_config_from_hf(hf)
+
+
+def routed_fields(cfg) -> dict:
+    """The Hugging Face fields of tunix's routed Qwen3 config `cfg`: every layer routed, each expert of width
+    `hidden_dim`, the picked probabilities renormalised (tunix's MoELayer always does)."""
+    picks = cfg.num_experts_per_tok
+    if not isinstance(picks, int) or not 1 <= picks <= cfg.num_experts:
+        raise UserError(f"tunix's routed Qwen3 needs num_experts_per_tok in 1..{cfg.num_experts}, got {picks!r}")
+    return {"model_type": "qwen3_moe", "num_experts": cfg.num_experts, "num_experts_per_tok": picks,
+            "moe_intermediate_size": cfg.hidden_dim, "norm_topk_prob": True}  # fmt: skip
 
 
 def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype,
@@ -118,7 +136,7 @@ def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype,
     unmapped = [path for path in adapted if not LORA_TARGETS.fullmatch(path)]
     if unmapped:
         raise UserError(f"LoRA adapters on {', '.join(unmapped[:3])} are not merged: only those on the attention "
-                        "and MLP projections and the lm_head are")  # fmt: skip
+                        "and dense MLP projections, a routed Qwen3's router and the lm_head are")  # fmt: skip
     if adapted and lora_alpha is None:
         raise UserError("tunix's model holds LoRA adapters: give lora_alpha, the alpha of the qwix LoraProvider "
                         "that made them (each adapter is scaled by alpha / its rank)")  # fmt: skip
@@ -142,10 +160,15 @@ def trunk_params(model: nnx.Module, cfg: ModelConfig, dtype,
         (*prefix, "attn", "k_proj"): stacked(lambda layer: layer.attn.k_proj, "w"),
         (*prefix, "attn", "v_proj"): stacked(lambda layer: layer.attn.v_proj, "w"),
         (*prefix, "attn", "o_proj"): stacked(lambda layer: layer.attn.o_proj, "w"),
-        (*prefix, "mlp", "gate_proj"): stacked(lambda layer: layer.mlp.gate_proj, "kernel"),
-        (*prefix, "mlp", "up_proj"): stacked(lambda layer: layer.mlp.up_proj, "kernel"),
-        (*prefix, "mlp", "down_proj"): stacked(lambda layer: layer.mlp.down_proj, "kernel"),
     }
+    if cfg.moe is None:  # [L, D, F], [L, D, F], [L, F, D]
+        flat[(*prefix, "mlp", "gate_proj")] = stacked(lambda layer: layer.mlp.gate_proj, "kernel")
+        flat[(*prefix, "mlp", "up_proj")] = stacked(lambda layer: layer.mlp.up_proj, "kernel")
+        flat[(*prefix, "mlp", "down_proj")] = stacked(lambda layer: layer.mlp.down_proj, "kernel")
+    else:  # the router [L, D, E]; the experts [L, E, D, F], [L, E, D, F], [L, E, F, D]
+        flat[(*prefix, "mlp", "router")] = stacked(lambda layer: layer.mlp.router, "kernel")
+        for ours, theirs in (("expert_gate", "gate_proj"), ("expert_up", "up_proj"), ("expert_down", "down_proj")):
+            flat[(*prefix, "mlp", ours)] = stacked(lambda layer: layer.mlp, theirs)
     if not cfg.tie_word_embeddings:
         flat[("lm_head",)] = weight(model.lm_head, "w")
     if cfg.qkv_bias:

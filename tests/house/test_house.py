@@ -232,8 +232,8 @@ def test_every_family_module_is_registered(name):
     assert importlib.import_module(f"mtp_jax.families.{name}").FAMILY in FAMILIES
 
 
-def test_the_families_are_the_seven_modules():
-    assert FAMILY_MODULES == ["deepseek_v3", "glm4_moe", "llama", "mimo", "qwen2", "qwen3", "qwen_hybrid"]
+def test_the_families_are_the_eight_modules():
+    assert FAMILY_MODULES == ["deepseek_v3", "glm4_moe", "llama", "mimo", "qwen2", "qwen3", "qwen3_moe", "qwen_hybrid"]
 
 
 # Where a context variable may live, and what it carries: none of them chooses an implementation.
