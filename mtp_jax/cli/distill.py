@@ -29,7 +29,7 @@ from mtp_jax.runtime import compile_cache
 from mtp_jax.runtime.errors import UserError, run_cli
 from mtp_jax.runtime.files import write_atomically
 from mtp_jax.training import answer_shards
-from mtp_jax.training.prompt_builder import build_prompts
+from mtp_jax.training.prompt_builder import CATEGORIES, MIXED_CATEGORIES, build_prompts
 
 
 def answers(model, tokenizer, prompts: list[dict], *, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
@@ -85,7 +85,7 @@ def distill_shards(model, tokenizer, folder: str, run: answer_shards.ShardRun, n
                    batch_size: int) -> tuple[int, int]:  # fmt: skip
     """Make the shards of `run` holding its first `num_prompts` prompts (whole shards of `shard_prompts`) that
     `folder` lacks, each written as soon as its prompts are all answered; (shards written, response tokens in them)."""
-    prompts = build_prompts(-(-num_prompts // shard_prompts) * shard_prompts, run.split, run.seed)
+    prompts = build_prompts(-(-num_prompts // shard_prompts) * shard_prompts, run.split, run.seed, run.categories)
     todo = answer_shards.missing(folder, run, answer_shards.ranges(num_prompts, shard_prompts, len(prompts)))
     if not todo:
         return 0, 0
@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--start", type=int, default=0, help="skip the first N prompts: extends a set made with "
                         "--num-prompts N (a seed's prompt list does not depend on its length)")  # fmt: skip
     parser.add_argument("--split", choices=("train", "eval"), default="train")
+    parser.add_argument("--categories", default=",".join(MIXED_CATEGORIES), help=f"prompt categories to mix, "
+                        f"comma-separated, of {', '.join(CATEGORIES)} (default: %(default)s)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompt list and, with --temperature, sampling")
@@ -141,18 +143,21 @@ def run(args) -> int:
         raise UserError(f"--start must be in 0..{args.num_prompts - 1} (--num-prompts - 1)")
     if args.shards is not None and (args.start or args.shard_prompts < 1):
         raise UserError("--shards makes the missing shards of --num-prompts prompts: no --start; --shard-prompts >= 1")
+    categories = tuple(args.categories.split(","))
+    if not categories or not set(categories) <= set(CATEGORIES) or len(set(categories)) != len(categories):
+        raise UserError(f"--categories {args.categories!r}: name each of {', '.join(CATEGORIES)} at most once")
     model, tokenizer = checkpoint.load(args.model, dtype=args.dtype)
     if tokenizer is None:
         raise UserError("the model has no tokenizer to apply the chat template with")
     start = time.perf_counter()
     if args.shards is not None:
-        shard_run = answer_shards.ShardRun(args.split, args.seed, args.temperature, args.max_new_tokens)
+        shard_run = answer_shards.ShardRun(args.split, args.seed, args.temperature, args.max_new_tokens, categories)
         written, tokens = distill_shards(model, tokenizer, args.shards, shard_run, args.num_prompts,
                                          args.shard_prompts, args.batch_size)  # fmt: skip
         print(f"{written} shards written ({tokens} response tokens) into {args.shards} in "
               f"{time.perf_counter() - start:.0f}s", file=sys.stderr)  # fmt: skip
         return 0
-    prompts = build_prompts(args.num_prompts, args.split, args.seed)[args.start :]
+    prompts = build_prompts(args.num_prompts, args.split, args.seed, categories)[args.start :]
     records = distill(
         model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         temperature=args.temperature, seed=args.seed,

@@ -1,10 +1,11 @@
 """Self-distilled answers kept as token-id shards that accumulate across runs and machines.
 
-A shard holds the answers of one run of prompts of the prompt builder: a split, a seed (which orders the prompts
-and, when sampling, seeds each prompt's stream), a temperature and a token budget, and prompt indices [start, end)
-of that seed's list. Its name says all of these, so a generation that is killed, or run again on another machine
-with the same settings, makes only the shards that are missing, and shards of other seeds or temperatures add to
-the same folder. One `.npz` a shard, written whole or not at all:
+A shard holds the answers of one run of prompts of the prompt builder: a split, the categories mixed (named only
+when not the default mix), a seed (which orders the prompts and, when sampling, seeds each prompt's stream), a
+temperature and a token budget, and prompt indices [start, end) of that list. Its name says all of these, so a
+generation that is killed, or run again on another machine with the same settings, makes only the shards that are
+missing, and shards of other mixes, seeds or temperatures add to the same folder. One `.npz` a shard, written
+whole or not at all:
 
     tokens       [T] uint16 (uint32 for a vocabulary past 65536): every record's prompt and answer, one after another
     offsets      [R + 1] int64: record r is tokens[offsets[r]:offsets[r + 1]]
@@ -25,10 +26,10 @@ import numpy as np
 
 from mtp_jax.runtime.errors import UserError
 from mtp_jax.runtime.files import write_file_atomically
-from mtp_jax.training.prompt_builder import CATEGORIES
+from mtp_jax.training.prompt_builder import CATEGORIES, MIXED_CATEGORIES
 
 SHARD_PROMPTS = 256  # prompts a shard, by default
-NAME = re.compile(r"(train|eval)-seed(\d+)-t([0-9.]+)-max(\d+)-(\d{7})-(\d{7})\.npz")
+NAME = re.compile(r"(train|eval)(-[a-z+]+)?-seed(\d+)-t([0-9.]+)-max(\d+)-(\d{7})-(\d{7})\.npz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +40,12 @@ class ShardRun:
     seed: int
     temperature: float
     max_new_tokens: int
+    categories: tuple[str, ...] = MIXED_CATEGORIES
 
     def name(self, start: int, end: int) -> str:
-        return f"{self.split}-seed{self.seed}-t{self.temperature:g}-max{self.max_new_tokens}-{start:07d}-{end:07d}.npz"
+        mix = "" if self.categories == MIXED_CATEGORIES else "-" + "+".join(self.categories)
+        return (f"{self.split}{mix}-seed{self.seed}-t{self.temperature:g}-max{self.max_new_tokens}"
+                f"-{start:07d}-{end:07d}.npz")  # fmt: skip
 
 
 def ranges(num_prompts: int, shard_prompts: int, available: int) -> list[tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""Offline prompts for self-distillation and evaluation: chat, code, math and summarisation.
+"""Offline prompts for self-distillation and evaluation: chat, code, math, summarisation and technical explanations.
 
 Sources, all on this machine: hand-written templates, topics and tasks (below), arithmetic word problems with
 seeded numbers, and docstrings of the Python standard library's modules and of their public functions and classes
@@ -142,7 +142,49 @@ SUMMARY_MODULES = [
     "wave", "weakref", "webbrowser", "zipfile", "zipimport", "zlib",
 ]  # fmt: skip
 SUMMARY_MEMBERS_PER_MODULE = 12  # public functions and classes a module gives docstrings of, at most
-CATEGORIES = ("chat", "code", "math", "summarisation")
+EXPLAIN_TEMPLATES = [
+    "Explain {} in one paragraph.",
+    "What is {}?",
+    "How does {} work?",
+    "Explain {} briefly to a software engineer.",
+    "Describe {} and why it matters.",
+    "Give a short technical overview of {}.",
+    "What problem does {} solve, and how?",
+    "Explain {} with a simple example.",
+    "What are the trade-offs of {}?",
+    "Write a short paragraph explaining {} to a student.",
+]
+EXPLAIN_TOPICS = [
+    "binary search trees", "linked lists", "dynamic programming", "recursion", "garbage collection",
+    "virtual memory", "CPU caches", "branch prediction", "pipelining in processors", "SIMD instructions",
+    "multithreading", "deadlocks", "mutexes", "semaphores", "event loops", "asynchronous programming",
+    "message queues", "load balancing", "content delivery networks", "DNS", "TCP", "UDP", "IP addresses",
+    "public key cryptography", "digital signatures", "password hashing", "two-factor authentication", "firewalls",
+    "VPNs", "containers", "virtual machines", "Kubernetes", "microservices", "REST APIs", "GraphQL",
+    "relational databases", "SQL joins", "database indexes", "transactions and ACID", "eventual consistency",
+    "the CAP theorem", "consensus algorithms", "distributed caching", "MapReduce", "stream processing",
+    "version control with Git", "continuous integration", "unit testing", "code review", "refactoring",
+    "design patterns", "object-oriented programming", "functional programming", "type systems",
+    "interpreters", "just-in-time compilation", "bytecode", "regular expressions", "parsing", "Big O notation",
+    "sorting algorithms", "graph algorithms", "shortest path algorithms", "hashing", "bloom filters",
+    "data compression", "error-correcting codes", "checksums", "floating-point numbers", "integer overflow",
+    "neural networks", "backpropagation", "overfitting", "regularization", "convolutional neural networks",
+    "recurrent neural networks", "the attention mechanism", "word embeddings", "tokenization in language models",
+    "large language models", "fine-tuning a model", "reinforcement learning", "decision trees", "random forests",
+    "k-means clustering", "principal component analysis", "cross-validation", "the bias-variance trade-off",
+    "batch normalization", "dropout", "learning rate schedules", "quantization of neural networks",
+    "knowledge distillation", "beam search", "sampling temperature in text generation", "GPUs",
+    "TPUs", "matrix multiplication", "memory bandwidth", "parallel computing", "cloud storage",
+    "operating system kernels", "file systems", "device drivers", "interrupts", "the boot process",
+    "web browsers", "cookies", "HTML and CSS", "JavaScript engines", "WebAssembly", "search engines",
+    "recommendation systems", "A/B testing", "data pipelines", "data warehouses", "spreadsheets",
+    "Bayes' theorem", "linear regression", "logistic regression", "eigenvalues", "Fourier transforms",
+    "entropy in information theory", "Markov chains", "Monte Carlo methods", "numerical integration",
+    "the speed of light", "quantum computing", "semiconductors", "transistors", "lasers", "GPS",
+    "wireless networks", "Bluetooth", "fiber optics", "radar", "jet engines", "heat pumps",
+]  # fmt: skip
+CATEGORIES = ("chat", "code", "math", "summarisation", "explain")  # their order indexes shards' `categories`
+MIXED_CATEGORIES = CATEGORIES[:4]  # what a prompt list mixes unless told otherwise (the shipped shards' mix)
 
 
 def split_of(key: str) -> str:
@@ -189,6 +231,8 @@ def candidate_prompts(category: str, split: str) -> list[str]:
     elif category == "summarisation":
         pairs = [(SUMMARY_TEMPLATE, p) for m in SUMMARY_MODULES if (p := _docstring_passage(m))]
         pairs += [(SUMMARY_TEMPLATE, p) for m in SUMMARY_MODULES for p in _member_passages(m)]
+    elif category == "explain":
+        pairs = [(t, s) for t in EXPLAIN_TEMPLATES for s in EXPLAIN_TOPICS]
     elif category == "math":
         pairs = []
         for seed, count in (("math", 80), ("math, more", 160)):  # the first set as it was, then more of each
@@ -202,15 +246,17 @@ def candidate_prompts(category: str, split: str) -> list[str]:
     return list(dict.fromkeys(t.format(s) for t, s in pairs if split_of(f"{t}|{s}") == split))
 
 
-def build_prompts(num_prompts: int, split: str, seed: int) -> list[dict]:
-    """`num_prompts` prompts of a split, categories interleaved, shuffled by `seed` (no repeats when possible)."""
+def build_prompts(
+    num_prompts: int, split: str, seed: int, categories: tuple[str, ...] = MIXED_CATEGORIES
+) -> list[dict]:
+    """`num_prompts` prompts of a split, `categories` interleaved, shuffled by `seed` (no repeats when possible)."""
     rng = random.Random(seed)
-    pools = {c: candidate_prompts(c, split) for c in CATEGORIES}
+    pools = {c: candidate_prompts(c, split) for c in categories}
     for pool in pools.values():
         rng.shuffle(pool)
     prompts, index = [], 0
     while len(prompts) < num_prompts and any(index < len(pool) for pool in pools.values()):
-        for category in CATEGORIES:
+        for category in categories:
             if index < len(pools[category]) and len(prompts) < num_prompts:
                 prompts.append({"prompt": pools[category][index], "category": category})
         index += 1

@@ -41,6 +41,20 @@ def test_shards_round_trip_and_name_their_settings(tmp_path):
         assert shard["tokens"].dtype == np.uint16
 
 
+def test_a_run_of_other_categories_names_them_and_adds_to_the_folder(tmp_path):
+    mixed, explain = (
+        answer_shards.ShardRun("train", 0, 0.0, 16),
+        answer_shards.ShardRun("train", 0, 0.0, 16, ("explain",)),
+    )
+    assert mixed.name(0, 4) == "train-seed0-t0-max16-0000000-0000004.npz"
+    assert explain.name(0, 4) == "train-explain-seed0-t0-max16-0000000-0000004.npz"
+    kept, added = records(4), [{**r, "category": "explain"} for r in records(3)]
+    answer_shards.write(str(tmp_path), mixed, 0, 4, kept, TRUNK)
+    answer_shards.write(str(tmp_path), explain, 0, 3, added, TRUNK)
+    assert answer_shards.missing(str(tmp_path), explain, [(0, 3), (3, 6)]) == [(3, 6)]
+    assert answer_shards.read(str(tmp_path), TRUNK) == added + kept  # both mixes, in name order
+
+
 def test_foreign_and_damaged_shards_are_one_line(tmp_path):
     run = answer_shards.ShardRun("train", 0, 0.0, 16)
     with pytest.raises(UserError, match="no answer shards"):
