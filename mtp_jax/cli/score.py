@@ -1,4 +1,5 @@
-"""python -m mtp_jax.score: teacher-forced MTP quality on given text (no sampling; training/acceptance.py)."""
+"""python -m mtp_jax.score: teacher-forced MTP quality on given text: how often the head's argmax drafts are
+accepted (training/acceptance.py), and the acceptance of drafts sampled at T = 1 (training/head_refresh.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from mtp_jax.loading.hub import MODEL_HELP
 from mtp_jax.runtime.errors import UserError, run_cli
 from mtp_jax.runtime.files import write_atomically
 from mtp_jax.training.acceptance import acceptance_counts, summarize, teacher_forced_predictions
+from mtp_jax.training.head_refresh import draft_agreement, rollout_batch
 
 
 def scored_sequences(path: str, items: list[str | list[int]]) -> tuple[list[str | list[int]], list[int]]:
@@ -66,18 +68,23 @@ def run(args) -> int:
         context=model.config.max_position_embeddings,
     )  # fmt: skip
     totals, draft_argmax = None, []
+    sampled = np.zeros((2, args.num_draft))  # T = 1: expected acceptance summed over positions; positions
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
         ids, lens = pad_batch(batch, len(batch), bucket(max(len(p.token_ids) for p in batch)))
+        batch_starts = np.asarray(starts[start : start + args.batch_size])
         predictions, trunk = teacher_forced_predictions(model, ids, args.num_draft)
-        counts = acceptance_counts(predictions, trunk, lens, np.asarray(starts[start : start + args.batch_size]))
+        counts = acceptance_counts(predictions, trunk, lens, batch_starts)
         totals = (
             counts
             if totals is None
             else {k: [a + b for a, b in zip(totals[k], counts[k], strict=True)] for k in totals}
         )
         draft_argmax += [predictions[row, : max(lens[row] - 1, 0), 0].tolist() for row in range(len(batch))]
+        agreement = draft_agreement(model, rollout_batch(model, ids, lens, batch_starts), args.num_draft)
+        sampled += np.asarray([agreement["expected"], [1.0] * args.num_draft]) * agreement["positions"]
     result = {"num_draft": args.num_draft, "sequences": len(prompts), **summarize(totals)}
+    result["expected_acceptance_t1_per_depth"] = (sampled[0] / np.maximum(sampled[1], 1)).tolist()
     result["draft_argmax"] = draft_argmax
     text = json.dumps(result) + "\n"
     if args.out:
@@ -87,7 +94,8 @@ def run(args) -> int:
     per_depth = ", ".join(f"{x:.3f}" for x in result["conditional_acceptance_per_depth"])
     print(
         f"teacher-forced acceptance over {len(prompts)} sequence(s): per depth (given shallower) [{per_depth}], "
-        f"expected accepted length {result['expected_accepted_length']:.2f}",
+        f"expected accepted length {result['expected_accepted_length']:.2f}; sampling at T = 1, each depth on the "
+        f"text: [{', '.join(f'{x:.3f}' for x in result['expected_acceptance_t1_per_depth'])}]",
         file=sys.stderr,
     )
     return 0

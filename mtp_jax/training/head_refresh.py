@@ -99,17 +99,21 @@ def draft_agreement(model: CausalLM, batch: Batch, num_steps: int = 1) -> dict:
     """How well the model's head drafts for its trunk on `batch` (from `rollout_batch`), teacher-forced, per depth
     [num_steps]: "expected" acceptance of sampled drafts at temperature 1 (1 - the total variation between the trunk's
     next-token distribution and the head's, both over the draft vocabulary) and "argmax" (the head's argmax is the
-    batch's own next-next token: greedy acceptance on greedy text). Scores a head on answers it did not draft."""
+    batch's own next-next token: greedy acceptance on greedy text), and the answer "positions" each depth's means
+    are over. Scores a head on answers it did not draft."""
     graphdef, state = nnx.split(model)
-    rejection, argmax = _agreement(graphdef, state, batch, num_steps)
-    return {"expected": (1.0 - np.asarray(rejection)).tolist(), "argmax": np.asarray(argmax).tolist()}
+    rejection, argmax, positions = _agreement(graphdef, state, batch, num_steps)
+    return {
+        "expected": (1.0 - np.asarray(rejection)).tolist(),
+        "argmax": np.asarray(argmax).tolist(),
+        "positions": np.asarray(positions).tolist(),
+    }
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"))
 def _agreement(graphdef, state, batch: Batch, num_steps: int):
     model = nnx.merge(graphdef, state)
-    rejection, argmax, _ = step_losses(model, batch, num_steps, draft_target_index(model), AGREEMENT_OBJECTIVE)
-    return rejection, argmax
+    return step_losses(model, batch, num_steps, draft_target_index(model), AGREEMENT_OBJECTIVE)
 
 
 def with_head(model: CausalLM, head: nnx.State) -> CausalLM:

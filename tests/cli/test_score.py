@@ -12,6 +12,7 @@ import mtp_jax
 from mtp_jax.cli.score import acceptance_counts, summarize, teacher_forced_predictions
 from mtp_jax.cli.score import main as score_main
 from mtp_jax.conversion.export import save_hf_folder
+from mtp_jax.training.head_refresh import draft_agreement, rollout_batch
 from tests.support.tiny_models import predictable_model
 
 pytestmark = pytest.mark.slow
@@ -107,3 +108,28 @@ def test_cli_scores_a_distilled_record_on_its_response(tmp_path, capsys):
     assert score_main(["--model", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--num-draft", "2"]) == 1
     err = capsys.readouterr().err.strip()
     assert "prompt_len" in err and len(err.splitlines()) == 1
+
+
+def test_cli_sampled_acceptance_is_the_heads_agreement_over_all_positions(tmp_path, capsys):
+    """The T = 1 expected acceptance per depth, scored a sequence a batch, is draft_agreement's over both sequences
+    in one batch (each batch's mean weighted by its positions), on the responses only."""
+    model = predictable_model("deepseek", seed=4)
+    save_hf_folder(model, tmp_path / "hf")
+    records = [
+        {"token_ids": [5, 9, 13, 7, 8, 20, 11, 4, 6], "prompt_len": 3},
+        {"token_ids": [4, 6, 2, 9, 23], "prompt_len": 1},
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code = score_main(["--model", str(tmp_path / "hf"), "--prompts-file", str(prompts), "--num-draft", "2",
+                       "--batch-size", "1", "--out", str(tmp_path / "s.json"), "--dtype", "float32"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((tmp_path / "s.json").read_text())
+    tokens = np.zeros((2, 9), np.int32)
+    for row, record in enumerate(records):
+        tokens[row, : len(record["token_ids"])] = record["token_ids"]
+    batch = rollout_batch(model, tokens, np.array([9, 5]), np.array([3, 1]))
+    together = draft_agreement(model, batch, num_steps=2)
+    assert together["positions"] == [9, 8]  # x[s+2] in a response: slots 1-6 and 0-2; a depth-2 chain starts at s - 1
+    np.testing.assert_allclose(result["expected_acceptance_t1_per_depth"], together["expected"], rtol=1e-5)
+    assert 0 < min(together["expected"]) and max(together["expected"]) < 1
