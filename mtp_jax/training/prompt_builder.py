@@ -184,7 +184,7 @@ EXPLAIN_TOPICS = [
     "wireless networks", "Bluetooth", "fiber optics", "radar", "jet engines", "heat pumps",
 ]  # fmt: skip
 CATEGORIES = ("chat", "code", "math", "summarisation", "explain")  # their order indexes shards' `categories`
-MIXED_CATEGORIES = CATEGORIES[:4]  # what a prompt list mixes unless told otherwise (the shipped shards' mix)
+MIXED_CATEGORIES = CATEGORIES[:4]  # what a prompt list mixes unless told otherwise (the first shards were made so)
 
 
 def split_of(key: str) -> str:
