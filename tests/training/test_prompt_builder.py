@@ -11,8 +11,10 @@ import mtp_jax
 from mtp_jax.training.prompt_builder import CATEGORIES, MIXED_CATEGORIES, build_prompts, candidate_prompts
 
 EVAL_FILE = os.path.join(os.path.dirname(mtp_jax.__file__), "data", "eval_prompts.jsonl")
-SHIPPED_SHARD = os.path.join(os.path.dirname(mtp_jax.__file__), "data", "head_answers",
-                             "train-seed0-t0-max256-0000000-0000256.npz")  # fmt: skip
+SHIPPED_SHARD = os.path.join(  # the repository's data (not the package's): the shards the shipped head trained on
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "mtp_jax", "data", "head_answers", "train-seed0-t0-max256-0000000-0000256.npz",
+)  # fmt: skip
 
 
 def test_train_and_eval_are_disjoint_and_reproducible():
