@@ -17,7 +17,7 @@ from mtp_jax.decode.loop_state import (
     mtp_block_width,
     round_keys,
 )
-from mtp_jax.decode.sampling import SamplingParams, probabilities, sample
+from mtp_jax.decode.sampling import SamplingParams, first_argmax, probabilities, sample
 from mtp_jax.models.causal_lm import CausalLM
 from mtp_jax.models.kv_cache import KVCache, decode_attention
 
@@ -72,7 +72,7 @@ def prefill(model: CausalLM, cfg: DecodeConfig, sampling: SamplingParams | None,
     last = prompt_lens - 1  # each row's last prompt token, in the ids
     logits = model.logits(gather_rows(hidden, last))  # [B, V]
     if sampling is None:
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        first = first_argmax(logits)
     else:
         keys = round_keys(row_keys, jnp.int32(-1), 0)
         first = jax.vmap(sample)(keys, probabilities(logits[:, None], sampling)[:, 0])

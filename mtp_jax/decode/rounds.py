@@ -30,6 +30,7 @@ from mtp_jax.config.execution_plan import VerifyLogits
 from mtp_jax.decode.loop_state import AdaptiveState, DecodeStats, LoopState, gather_rows, keep_active, round_keys
 from mtp_jax.decode.sampling import (
     SamplingParams,
+    first_argmax,
     greedy_accept,
     greedy_walk,
     probabilities,
@@ -113,7 +114,7 @@ class Verdict(NamedTuple):
 def choose(sampling: SamplingParams | None, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Pick ids [B, ...] from float32 logits [B, ..., V]; also return the distribution when sampling."""
     if sampling is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return first_argmax(logits), None
     probs = probabilities(logits, sampling)
     return jax.vmap(sample)(keys, probs), probs
 

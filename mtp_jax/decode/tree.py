@@ -41,7 +41,7 @@ from mtp_jax.config import execution_plan
 from mtp_jax.config.decode import DecodeConfig
 from mtp_jax.decode.loop_state import LoopState, round_keys
 from mtp_jax.decode.rounds import Drafts, Round, RoundContext, Verdict, catch_up, commit, record, row_by_row_logits
-from mtp_jax.decode.sampling import greedy_walk, probabilities, sample
+from mtp_jax.decode.sampling import first_argmax, greedy_walk, probabilities, sample
 from mtp_jax.kernels import traced_plan
 from mtp_jax.models.block_tree import BlockTree, ancestry
 from mtp_jax.models.causal_lm import CausalLM
@@ -189,7 +189,7 @@ def verify_tree(ctx: RoundContext, s: LoopState, tree: DraftTree) -> TreeVerdict
     else:
         logits = model.logits(hidden)  # [B, N+1, V]
         if ctx.sampling is None:
-            picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N+1]
+            picks = first_argmax(logits)  # [B, N+1]
         else:
             keys = jax.vmap(lambda key: jax.random.split(key, budget + 1))(round_keys(s.row_keys, s.num_generated, 1))
             picks = jax.vmap(jax.vmap(sample))(keys, probabilities(logits, ctx.sampling))  # [B, N+1]

@@ -15,11 +15,28 @@ from flax import nnx
 import mtp_jax
 from mtp_jax.decode.round_timing import prefilled_state
 from mtp_jax.decode.rounds import Round, RoundKind, round_context, verify
-from mtp_jax.decode.sampling import greedy_accept, greedy_walk, rejection_accept
+from mtp_jax.decode.sampling import first_argmax, greedy_accept, greedy_walk, rejection_accept
 from mtp_jax.models.kv_cache import cache_slots
 from tests.support.tiny_models import tiny_config
 
 VOCAB = 6
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_first_argmax_is_numpys_argmax_with_ties_infinities_and_nans(dtype):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 40, 700)).astype(np.float32)
+    x = np.round(x * 4) / 4  # many ties of the largest value
+    x[0, 1] = -np.inf
+    x[0, 2, 5] = x[0, 2, 600] = np.inf
+    x[0, 3, [9, 400]] = np.nan
+    x[0, 4] = np.nan
+    x[0, 5, 699] = 50.0  # the last index
+    got = np.asarray(first_argmax(jnp.asarray(x, dtype)))
+    expected = np.asarray(x.astype(jnp.dtype(dtype))).argmax(-1)  # numpy: the first largest, or the first NaN
+    assert got.dtype == np.int32 and got.shape == (3, 40)
+    np.testing.assert_array_equal(got, expected)
+    assert got[0, 1] == 0 and got[0, 2] == 5 and got[0, 3] == 9 and got[0, 4] == 0 and got[0, 5] == 699
 
 
 def test_greedy_accepts_the_longest_agreeing_prefix_then_the_targets_token():
