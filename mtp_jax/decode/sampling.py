@@ -38,8 +38,8 @@ class SamplingParams:
 def first_argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` as int32 ids [...] of x [..., V]: the first index of a row's largest value (of its
     first NaN, where it has one), found by two plain reductions, a max and then a min over the indices that hold it.
-    XLA:CPU runs argmax as one reduction over (value, index) pairs that it does not vectorize: over a 49,152-token
-    row 255 us against 75 for the two (AVX512; docs/benchmarks-log.md), a few percent of a plain step."""
+    XLA:CPU runs argmax as one reduction over (value, index) pairs, which it does not vectorize; over a vocabulary's
+    row of logits the two plain ones take a fraction of its time."""
     largest = jnp.max(x, axis=-1, keepdims=True)  # [..., 1]: NaN where the row holds one
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     holds = (x == largest) | jnp.isnan(x)  # [..., V]

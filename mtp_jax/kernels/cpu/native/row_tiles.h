@@ -20,8 +20,7 @@ constexpr int kTileColumns = Bits == 4 ? 2 * kTileBytes : kTileBytes;
 // How far ahead of the block being summed its stream is fetched, in blocks of a tile (one block: Kb quads of 64
 // bytes, 512 bytes for Kb = 32; its scales and mins one or two cache lines each). Left to itself the hardware's
 // prefetcher runs too little ahead of a stream this fast, and a pass waits on memory, then sums, in turn; fetched
-// 16 blocks (8 KB of values) ahead, the reads overlap the sums. Measured single-threaded over weights that miss the
-// caches (AVX512, 4-bit [576, 1536]): 25 -> 14 us at one row, 30 -> 19 at four (docs/benchmarks-log.md).
+// 16 blocks (8 KB of values) ahead, the reads overlap the sums.
 constexpr int64_t kPrefetchBlocks = 16;
 
 // Whether a weight in tile order can be read so: int8_rows_reads' [K, N] shapes with N a whole number of tiles.
